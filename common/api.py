@@ -1,0 +1,349 @@
+"""The API contract every server stage shares, defined once.
+
+A stage supplies a *backend*: an object with ``async def embed(job) -> EmbedResult``
+(and optionally ``async def start()`` / ``async def close()``). Everything else,
+routes, validation, limits, errors, headers and JSON encoding, lives here, so the
+stages differ only in how they call the model.
+
+Routes: ``POST /v1/embed``, ``POST /v1/embeddings`` (OpenAI shape), ``GET /v1/models``,
+``GET /health`` (liveness), ``GET /ready`` (readiness).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from common.engine import Engine, TokenizedText
+from common.limits import APIError, BodySizeLimit, error_body
+from common.settings import Settings, get_settings
+
+log = logging.getLogger("embedserve")
+
+# Tokenizing this many characters on the event loop would stall it; hand it to a thread.
+_TOKENIZE_IN_THREAD_CHARS = 8_000
+
+
+# --- request bodies ------------------------------------------------------------
+class EmbedRequest(BaseModel):
+    """Body of ``POST /v1/embed``."""
+
+    model_config = ConfigDict(extra="forbid")
+    inputs: StrictStr | list[StrictStr] = Field(description="One text or a list of texts.")
+    normalize: bool = Field(True, description="L2-normalize the vectors.")
+    truncate: bool = Field(True, description="Cut texts at the model's token limit; false: 422.")
+    cache: bool = Field(True, description="Let the server answer from its cache (stage 4+).")
+
+
+class OpenAIEmbeddingRequest(BaseModel):
+    """Body of ``POST /v1/embeddings``, the OpenAI embeddings request."""
+
+    model_config = ConfigDict(extra="ignore")
+    input: StrictStr | list[StrictStr] = Field(description="One text or a list of texts.")
+    model: str | None = Field(None, description="The served model's id (see /v1/models).")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, description="Must equal the model's dimensions.")
+    user: str | None = None
+
+
+# --- what a backend sees and returns -------------------------------------------
+@dataclass(slots=True)
+class EmbedJob:
+    """One validated request, tokenized, handed to a stage's backend."""
+
+    texts: list[str]
+    tokens: list[TokenizedText]
+    normalize: bool = True
+    use_cache: bool = True
+    deadline: float | None = None  # time.monotonic() after which the answer is useless
+    request: Request | None = None  # for disconnect checks
+
+
+@dataclass(slots=True)
+class EmbedResult:
+    vectors: np.ndarray  # (len(texts), dim) float32, normalized when the job asked
+    timings: dict[str, float] = field(default_factory=dict)  # ms: queue, inference
+    headers: dict[str, str] = field(default_factory=dict)  # extra response headers
+
+
+class Backend(Protocol):
+    async def embed(self, job: EmbedJob) -> EmbedResult: ...
+
+
+BackendFactory = Callable[[Engine, Settings], Backend]
+
+
+# --- helpers --------------------------------------------------------------------
+def json_response(
+    payload: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    """orjson with numpy support: 384 floats per vector is the hot path of every answer."""
+    body = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+    return Response(body, status_code=status, headers=headers, media_type="application/json")
+
+
+def _as_list(value: str | list[str]) -> list[str]:
+    return [value] if isinstance(value, str) else value
+
+
+def validate_texts(texts: list[str], settings: Settings, param: str) -> None:
+    if not texts:
+        raise APIError(422, f"`{param}` is an empty list; send at least one text", param=param)
+    if len(texts) > settings.max_items:
+        raise APIError(
+            422,
+            f"`{param}` holds {len(texts)} texts; at most MAX_ITEMS={settings.max_items} per request",
+            param=param,
+        )
+    for i, text in enumerate(texts):
+        if not text:
+            raise APIError(422, f"`{param}[{i}]` is an empty string", param=f"{param}[{i}]")
+        if len(text) > settings.max_chars:
+            raise APIError(
+                422,
+                f"`{param}[{i}]` has {len(text)} characters; at most MAX_CHARS={settings.max_chars}",
+                param=f"{param}[{i}]",
+            )
+
+
+async def tokenize(engine: Engine, texts: list[str], truncate: bool, param: str) -> list[TokenizedText]:
+    if sum(len(t) for t in texts) > _TOKENIZE_IN_THREAD_CHARS:
+        tokens = await run_in_threadpool(engine.tokenize, texts)
+    else:
+        tokens = engine.tokenize(texts)
+    if not truncate:
+        for i, tok in enumerate(tokens):
+            if tok.truncated:
+                raise APIError(
+                    422,
+                    f"`{param}[{i}]` is longer than the model's {engine.max_tokens}-token limit"
+                    " and `truncate` is false",
+                    param=f"{param}[{i}]",
+                )
+    return tokens
+
+
+def _deadline(request: Request, settings: Settings) -> float:
+    raw = request.headers.get("x-request-timeout")
+    timeout = settings.request_timeout_s
+    if raw is not None:
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise APIError(400, "X-Request-Timeout must be a number of seconds", param="X-Request-Timeout")
+        if not 0 < timeout <= 3600:
+            raise APIError(400, "X-Request-Timeout must be in (0, 3600] seconds", param="X-Request-Timeout")
+    return time.monotonic() + timeout
+
+
+def _timing_headers(result: EmbedResult, started: float) -> dict[str, str]:
+    headers = {"x-total-time": f"{(time.perf_counter() - started) * 1e3:.2f}"}
+    for key in ("inference", "queue"):
+        if f"{key}_ms" in result.timings:
+            headers[f"x-{key}-time"] = f"{result.timings[f'{key}_ms']:.2f}"
+    headers.update(result.headers)
+    return headers
+
+
+# --- the app --------------------------------------------------------------------
+def create_app(
+    title: str,
+    make_backend: BackendFactory,
+    settings: Settings | None = None,
+    description: str = "",
+) -> FastAPI:
+    """A FastAPI app serving the contract, with ``make_backend`` deciding how the model runs."""
+
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The model loads here, never at import time, and warms up before /ready says yes.
+        engine = await run_in_threadpool(Engine.from_settings, settings)
+        await run_in_threadpool(engine.warmup)
+        backend = make_backend(engine, settings)
+        if hasattr(backend, "start"):
+            await backend.start()
+        app.state.engine, app.state.backend = engine, backend
+        app.state.ready = True
+        log.info("%s ready: model %s", title, engine.model_name)
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            if hasattr(backend, "close"):
+                await backend.close()
+
+    app = FastAPI(title=title, description=description, lifespan=lifespan, version="1.0")
+    app.state.settings = settings
+    app.state.ready = False
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    _install_error_handlers(app)
+    _install_routes(app, settings)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        body = error_body(exc.status, exc.message, exc.param, exc.type)
+        return Response(body, exc.status, headers=exc.headers, media_type="application/json")
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        message, param = _describe_validation_error(exc.errors())
+        return Response(error_body(422, message, param), 422, media_type="application/json")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        headers = getattr(exc, "headers", None)
+        return Response(
+            error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=headers,
+            media_type="application/json",
+        )
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return Response(
+            error_body(500, f"internal error: {type(exc).__name__}"), 500, media_type="application/json"
+        )
+
+
+def _install_routes(app: FastAPI, settings: Settings) -> None:
+    async def run_job(
+        request: Request, texts: list[str], param: str, normalize: bool, truncate: bool, cache: bool
+    ) -> tuple[EmbedJob, EmbedResult]:
+        if not getattr(request.app.state, "ready", False):
+            raise APIError(503, "the model is not loaded yet", headers={"Retry-After": "1"})
+        validate_texts(texts, settings, param)
+        engine: Engine = request.app.state.engine
+        if cache and "no-cache" in request.headers.get("cache-control", ""):
+            cache = False
+        job = EmbedJob(
+            texts=texts,
+            tokens=await tokenize(engine, texts, truncate, param),
+            normalize=normalize,
+            use_cache=cache,
+            deadline=_deadline(request, settings),
+            request=request,
+        )
+        result = await request.app.state.backend.embed(job)
+        if result.vectors.shape[0] != len(texts):  # never hand a caller someone else's vectors
+            raise APIError(500, f"backend returned {result.vectors.shape[0]} vectors for {len(texts)} texts")
+        return job, result
+
+    @app.post("/v1/embed", tags=["embeddings"])
+    async def embed(request: Request, body: EmbedRequest) -> Response:
+        """Embed one text or a list of texts."""
+        started = time.perf_counter()
+        texts = _as_list(body.inputs)
+        job, result = await run_job(request, texts, "inputs", body.normalize, body.truncate, body.cache)
+        engine: Engine = request.app.state.engine
+        payload = {
+            "embeddings": result.vectors,
+            "model": engine.model_name,
+            "dimensions": engine.dimensions,
+            "truncated": [t.truncated for t in job.tokens],
+        }
+        return json_response(payload, headers=_timing_headers(result, started))
+
+    @app.post("/v1/embeddings", tags=["embeddings"])
+    async def embeddings(request: Request, body: OpenAIEmbeddingRequest) -> Response:
+        """OpenAI-compatible embeddings (the official `openai` client works unchanged)."""
+        started = time.perf_counter()
+        engine: Engine = request.app.state.engine
+        if body.model is not None and body.model not in _model_aliases(engine):
+            raise APIError(
+                404, f"model `{body.model}` is not served here; this server serves `{engine.model_name}`",
+                param="model", type="model_not_found",
+            )
+        if body.dimensions is not None and body.dimensions != engine.dimensions:
+            raise APIError(
+                422, f"`dimensions` must be {engine.dimensions} for this model (got {body.dimensions})",
+                param="dimensions",
+            )
+        texts = _as_list(body.input)
+        job, result = await run_job(request, texts, "input", True, True, True)
+        if body.encoding_format == "base64":
+            vectors: list[Any] = [
+                base64.b64encode(v.astype("<f4").tobytes()).decode() for v in result.vectors
+            ]
+        else:
+            vectors = list(result.vectors)
+        n_tokens = sum(t.n_tokens for t in job.tokens)
+        payload = {
+            "object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+            "model": engine.model_name,
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+        }
+        return json_response(payload, headers=_timing_headers(result, started))
+
+    @app.get("/v1/models", tags=["meta"])
+    async def models(request: Request) -> Response:
+        engine: Engine | None = getattr(request.app.state, "engine", None)
+        data = []
+        if engine is not None:
+            data.append({"id": engine.model_name, "object": "model", "created": 0, "owned_by": "embedserve"})
+        return json_response({"object": "list", "data": data})
+
+    @app.get("/health", tags=["meta"])
+    async def health() -> Response:
+        """Liveness: the process answers."""
+        return json_response({"status": "ok"})
+
+    @app.get("/ready", tags=["meta"])
+    async def ready(request: Request) -> Response:
+        """Readiness: 503 until the model is loaded and warmed, and again while draining."""
+        if getattr(request.app.state, "ready", False):
+            return json_response({"status": "ready"})
+        return Response(
+            error_body(503, "not ready"), 503, headers={"Retry-After": "1"}, media_type="application/json"
+        )
+
+
+def _describe_validation_error(errors: Any) -> tuple[str, str | None]:
+    """One clear sentence for pydantic's first error (union branches folded away)."""
+    first = errors[0] if errors else {}
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return "request body is not valid JSON", None
+    if kind == "model_attributes_type" or not first.get("loc"):
+        return "request body must be a JSON object", None
+    parts: list[str] = []
+    for p in first.get("loc", ())[1:]:  # drop "body"
+        if isinstance(p, int):
+            parts[-1:] = [f"{parts[-1]}[{p}]" if parts else f"[{p}]"]
+        elif p not in ("str", "list[str]"):
+            parts.append(str(p))
+    param = ".".join(parts) or None
+    field_name = parts[0] if parts else ""
+    if kind == "missing":
+        return f"`{param}` is required", param
+    if field_name in ("inputs", "input") and kind == "string_type":
+        if param and "[" in param:
+            return f"`{param}` must be a string", param
+        return f"`{field_name}` must be a string or a list of strings", param
+    if kind == "extra_forbidden":
+        return f"unknown field `{param}`", param
+    return f"`{param or 'body'}`: {first.get('msg', 'invalid value')}", param
+
+
+def _model_aliases(engine: Engine) -> set[str]:
+    return {engine.model_name, engine.model_id, f"{engine.model_id}-int8", f"sentence-transformers/{engine.model_id}"}
+

@@ -1,0 +1,98 @@
+"""One typed settings object for every stage, read from the environment.
+
+Every field below is an environment variable of the same name in upper case
+(``MAX_BATCH_SIZE=16 make stage3``). The table in the docs chapter
+"Operating it" is generated from this class, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "all-MiniLM-L6-v2"
+
+
+class Settings(BaseSettings):
+    """Settings shared by the engine and every server stage."""
+
+    model_config = SettingsConfigDict(env_prefix="", case_sensitive=False, extra="ignore")
+
+    # --- model and engine -------------------------------------------------
+    model_dir: Path = Field(DEFAULT_MODEL_DIR, description="Folder written by `make model`.")
+    model_variant: Literal["int8", "int8-dynamic", "int8-static", "fp32"] = Field(
+        "int8", description="Which ONNX file to serve; `int8` is the mode the build chose."
+    )
+    onnx_intra_threads: int = Field(
+        0, ge=0, description="ONNX Runtime intra-op threads per call (0: one per core)."
+    )
+    onnx_spinning: bool = Field(
+        False,
+        description="Let ONNX Runtime threads spin between calls. Off: spinning burns the cores "
+        "the HTTP side needs (measured in the stage 2 chapter).",
+    )
+
+    # --- HTTP server ------------------------------------------------------
+    host: str = Field("127.0.0.1", description="Address `make stageN` binds to.")
+    port: int = Field(8000, description="Port `make stageN` binds to.")
+
+    # --- request limits (the API contract) --------------------------------
+    max_items: int = Field(64, ge=1, description="Most texts in one request.")
+    max_chars: int = Field(20_000, ge=1, description="Longest text, in characters, before tokenizing.")
+    max_body_bytes: int = Field(2_000_000, ge=1, description="Largest request body; larger gets 413.")
+
+    # --- stage 2: thread pool ---------------------------------------------
+    worker_threads: int = Field(1, ge=1, description="Threads that run the model (stage 2).")
+
+    # --- stage 3: dynamic batching -----------------------------------------
+    max_batch_size: int = Field(32, ge=1, description="Most texts in one model call.")
+    max_batch_tokens: int = Field(
+        8192, ge=1, description="Most padded tokens (rows x longest row) in one model call."
+    )
+    batch_window_ms: float = Field(
+        2.0, ge=0, description="How long a MEDIUM/HIGH-tier batch waits to fill up."
+    )
+    batch_low_threshold: int = Field(
+        3, ge=1, description="Below this many queued texts a batch goes at once (LOW tier)."
+    )
+    batch_high_threshold: int = Field(
+        10, ge=1, description="From this many queued texts on the tier is HIGH."
+    )
+    group_by_length: bool = Field(True, description="Pick texts of similar length for one batch.")
+    group_window: int = Field(
+        256, ge=1, description="How many queued texts length grouping may look at."
+    )
+
+    # --- stage 4: cache, queue, deadlines, drain ----------------------------
+    cache_url: SecretStr | None = Field(
+        None, description="redis:// or rediss:// URL of a shared cache; unset: in-process only."
+    )
+    cache_enabled: bool = Field(True, description="Turn every cache tier off.")
+    cache_max_items: int = Field(100_000, ge=0, description="In-process cache size, in entries.")
+    cache_max_bytes: int = Field(256 * 2**20, ge=0, description="In-process cache size, in bytes.")
+    cache_ttl_s: int = Field(3600, ge=1, description="Time to live of a cache entry.")
+    cache_timeout_ms: float = Field(50.0, gt=0, description="Longest wait for Redis before failing open.")
+    max_queue: int = Field(1024, ge=1, description="Most texts waiting for the model; more gets 503.")
+    overload_status: Literal[503, 429] = Field(503, description="Status code for a full queue.")
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="Default deadline; `X-Request-Timeout` overrides it per request."
+    )
+    drain_timeout_s: float = Field(20.0, gt=0, description="Longest graceful drain on SIGTERM.")
+
+    # --- stage 5: metrics, logs, access -----------------------------------
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    log_format: Literal["json", "text"] = Field("json", description="Request log format.")
+    api_key: SecretStr | None = Field(
+        None, description="Comma-separated bearer keys; when set, /v1/* requires one."
+    )
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The settings of this process (read once from the environment)."""
+    return Settings()

@@ -1,0 +1,40 @@
+"""Stage 1: the naive server. The model is called straight from the ``async def`` handler.
+
+It is correct, and it is the most common first attempt. It also blocks the event loop:
+while the model runs, this process cannot accept a connection, answer ``/health`` or even
+read the next request. ``stage2_threadpool`` fixes this.
+
+    make stage1   # uvicorn stage1_naive.app:app on 127.0.0.1:8000
+"""
+
+from __future__ import annotations
+
+import time
+
+from common.api import EmbedJob, EmbedResult, create_app
+from common.engine import Engine, l2_normalize
+from common.settings import Settings
+
+
+# --8<-- [start:backend]
+class NaiveBackend:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def embed(self, job: EmbedJob) -> EmbedResult:
+        started = time.perf_counter()
+        # Blocks the event loop for the whole model call: nothing else in this process
+        # runs until it returns. stage2_threadpool moves this call to a thread.
+        vectors = self.engine.run([t.ids for t in job.tokens])
+        inference_ms = (time.perf_counter() - started) * 1e3
+        if job.normalize:
+            vectors = l2_normalize(vectors)
+        return EmbedResult(vectors, timings={"inference_ms": inference_ms})
+# --8<-- [end:backend]
+
+
+def make_backend(engine: Engine, settings: Settings) -> NaiveBackend:
+    return NaiveBackend(engine)
+
+
+app = create_app("stage1_naive", make_backend, description=__doc__ or "")
