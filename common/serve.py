@@ -1,0 +1,67 @@
+"""Run one server stage: ``python -m common.serve stage3_batching`` (what ``make stageN`` calls).
+
+One command line for the Makefile and the tests, so the tests start each stage exactly as a
+reader does. HOST and PORT come from the settings (environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import uvicorn
+
+from common.settings import get_settings
+
+STAGES = (
+    "stage1_naive",
+    "stage2_threadpool",
+    "stage3_batching",
+    "stage4_cache_backpressure",
+    "stage5_metrics",
+)
+
+
+def available_stages() -> list[str]:
+    """The server stages that exist in this checkout (a later stage is tested the day it appears)."""
+    found = []
+    for stage in STAGES:
+        try:
+            importlib.import_module(f"{stage}.app")
+        except ModuleNotFoundError as exc:
+            if exc.name not in (stage, f"{stage}.app"):
+                raise
+            continue
+        found.append(stage)
+    return found
+
+
+def resolve(name: str) -> str:
+    """Accept `stage3`, `3` or `stage3_batching`."""
+    key = name.removeprefix("stage")
+    for stage in STAGES:
+        if stage == name or stage.removeprefix("stage").split("_")[0] == key:
+            return stage
+    raise SystemExit(f"unknown stage {name!r}; one of {', '.join(STAGES)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("stage", help="stage1 .. stage5, or the folder name")
+    args = parser.parse_args(argv)
+    stage = resolve(args.stage)
+    settings = get_settings()
+    print(f"{stage} listening on http://{settings.host}:{settings.port}", flush=True)
+    uvicorn.run(
+        f"{stage}.app:app",
+        host=settings.host,
+        port=settings.port,
+        # uvicorn's access log costs about as much as a small request; stage 5 logs requests itself.
+        access_log=False,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=int(settings.drain_timeout_s),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Shared fixtures: the real engine, and real server processes on real sockets."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common.engine import Engine
+from common.serve import available_stages
+from common.settings import Settings
+
+REPO = Path(__file__).resolve().parent.parent
+SERVER_STAGES = available_stages()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def settings() -> Settings:
+    return Settings()
+
+
+@pytest.fixture(scope="session")
+def engine(settings: Settings) -> Engine:
+    """The real INT8 engine, as the servers load it."""
+    return Engine.from_settings(settings)
+
+
+@pytest.fixture(scope="session")
+def fp32_engine(settings: Settings) -> Engine:
+    return Engine(settings.model_dir, variant="fp32")
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def run_server(
+    stage: str, tmp_path: Path, env: dict[str, str] | None = None, ready_timeout: float = 120.0
+) -> Iterator[Server]:
+    """Start a stage with the command `make stageN` runs, wait for /ready, stop it after."""
+    port = free_port()
+    log_path = tmp_path / f"{stage}-{port}.log"
+    full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), **(env or {})}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "common.serve", stage], cwd=REPO, env=full_env, stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    server = Server(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{stage} exited with {process.returncode}:\n{server.log()}")
+            try:
+                if httpx.get(f"{server.url}/ready", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{stage} not ready after {ready_timeout} s:\n{server.log()}")
+            time.sleep(0.1)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture
+def server_factory(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """``with server_factory("stage3_batching", {"MAX_BATCH_SIZE": "8"}) as srv: ...``"""
+
+    def factory(stage: str, env: dict[str, str] | None = None) -> "contextmanager[Server]":  # type: ignore[valid-type]
+        return run_server(stage, tmp_path, env)
+
+    return factory
