@@ -17,47 +17,51 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.auth import install_auth
 from common.engine import Engine, TokenizedText
 from common.limits import APIError, BodySizeLimit, error_body
+from common.schemas import (
+    EmbedRequest,
+    EmbedResponse,
+    ErrorResponse,
+    ModelList,
+    OpenAIEmbeddingRequest,
+    OpenAIEmbeddingResponse,
+    Status,
+)
 from common.settings import Settings, get_settings
+
+__all__ = [
+    "Backend",
+    "BackendFactory",
+    "EmbedJob",
+    "EmbedRequest",
+    "EmbedResult",
+    "OpenAIEmbeddingRequest",
+    "create_app",
+    "json_response",
+    "read_body",
+    "tokenize",
+    "validate_texts",
+]
 
 log = logging.getLogger("embedserve")
 
 # Tokenizing this many characters on the event loop would stall it; hand it to a thread.
 _TOKENIZE_IN_THREAD_CHARS = 8_000
-
-
-# --- request bodies ------------------------------------------------------------
-class EmbedRequest(BaseModel):
-    """Body of ``POST /v1/embed``."""
-
-    model_config = ConfigDict(extra="forbid")
-    inputs: StrictStr | list[StrictStr] = Field(description="One text or a list of texts.")
-    normalize: bool = Field(True, description="L2-normalize the vectors.")
-    truncate: bool = Field(True, description="Cut texts at the model's token limit; false: 422.")
-    cache: bool = Field(True, description="Let the server answer from its cache (stage 4+).")
-
-
-class OpenAIEmbeddingRequest(BaseModel):
-    """Body of ``POST /v1/embeddings``, the OpenAI embeddings request."""
-
-    model_config = ConfigDict(extra="ignore")
-    input: StrictStr | list[StrictStr] = Field(description="One text or a list of texts.")
-    model: str | None = Field(None, description="The served model's id (see /v1/models).")
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, description="Must equal the model's dimensions.")
-    user: str | None = None
+_JSON = "application/json"
+_Body = TypeVar("_Body", bound=BaseModel)
 
 
 # --- what a backend sees and returns -------------------------------------------
@@ -88,16 +92,35 @@ BackendFactory = Callable[[Engine, Settings], Backend]
 
 
 # --- helpers --------------------------------------------------------------------
-def json_response(
-    payload: Any, status: int = 200, headers: dict[str, str] | None = None
-) -> Response:
+def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     """orjson with numpy support: 384 floats per vector is the hot path of every answer."""
     body = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
-    return Response(body, status_code=status, headers=headers, media_type="application/json")
+    return Response(body, status_code=status, headers=headers, media_type=_JSON)
 
 
-def _as_list(value: str | list[str]) -> list[str]:
-    return [value] if isinstance(value, str) else value
+def _error_response(exc: APIError) -> Response:
+    body = error_body(exc.status, exc.message, exc.param, exc.type)
+    return Response(body, exc.status, headers=exc.headers, media_type=_JSON)
+
+
+# --8<-- [start:read_body]
+async def read_body(request: Request, model: type[_Body]) -> _Body:
+    """Parse and validate a JSON body in one pass, in pydantic-core.
+
+    FastAPI's own body path decodes with the stdlib ``json`` (which lets lone surrogates
+    such as ``"\\ud800"`` through to the tokenizer), then walks its dependency tree, then
+    validates the Python objects. Validating the bytes directly is faster and stricter;
+    the routes still describe their bodies in the OpenAPI schema (``_body_doc``).
+    """
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        message, param = describe_validation_error(exc.errors(include_url=False, include_input=False))
+        raise APIError(422, message, param=param) from None
+
+
+# --8<-- [end:read_body]
 
 
 def validate_texts(texts: list[str], settings: Settings, param: str) -> None:
@@ -121,6 +144,7 @@ def validate_texts(texts: list[str], settings: Settings, param: str) -> None:
 
 
 async def tokenize(engine: Engine, texts: list[str], truncate: bool, param: str) -> list[TokenizedText]:
+    """Token ids for every text (cheap ones on the loop, long ones in a thread); 422 past the limit."""
     if sum(len(t) for t in texts) > _TOKENIZE_IN_THREAD_CHARS:
         tokens = await run_in_threadpool(engine.tokenize, texts)
     else:
@@ -144,7 +168,9 @@ def _deadline(request: Request, settings: Settings) -> float:
         try:
             timeout = float(raw)
         except ValueError:
-            raise APIError(400, "X-Request-Timeout must be a number of seconds", param="X-Request-Timeout")
+            raise APIError(
+                400, "X-Request-Timeout must be a number of seconds", param="X-Request-Timeout"
+            ) from None
         if not 0 < timeout <= 3600:
             raise APIError(400, "X-Request-Timeout must be in (0, 3600] seconds", param="X-Request-Timeout")
     return time.monotonic() + timeout
@@ -157,6 +183,24 @@ def _timing_headers(result: EmbedResult, started: float) -> dict[str, str]:
             headers[f"x-{key}-time"] = f"{result.timings[f'{key}_ms']:.2f}"
     headers.update(result.headers)
     return headers
+
+
+def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` for a route that parses its body itself (``read_body``)."""
+    schema = {"required": True, "content": {_JSON: {"schema": model.model_json_schema()}}}
+    return {"requestBody": schema}
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in {
+        400: "Bad header (X-Request-Timeout)",
+        413: "Body larger than MAX_BODY_BYTES",
+        422: "Invalid body: the message names the field (and the index)",
+        503: "Not ready, or overloaded (later stages)",
+        504: "Deadline passed (later stages)",
+    }.items()
+}
 
 
 # --- the app --------------------------------------------------------------------
@@ -192,6 +236,7 @@ def create_app(
     app.state.settings = settings
     app.state.ready = False
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    install_auth(app, settings)  # outermost: a request without a key is not even read
     _install_error_handlers(app)
     _install_routes(app, settings)
     return app
@@ -200,35 +245,37 @@ def create_app(
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
-        body = error_body(exc.status, exc.message, exc.param, exc.type)
-        return Response(body, exc.status, headers=exc.headers, media_type="application/json")
+        return _error_response(exc)
 
+    # Routes that let FastAPI parse a body (a later stage's extra routes) get the same shape.
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        message, param = _describe_validation_error(exc.errors())
-        return Response(error_body(422, message, param), 422, media_type="application/json")
+        message, param = describe_validation_error(exc.errors())
+        return Response(error_body(422, message, param), 422, media_type=_JSON)
 
+    # 404 unknown route, 405 wrong method, 413 from BodySizeLimit on a chunked body.
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        headers = getattr(exc, "headers", None)
         return Response(
-            error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=headers,
-            media_type="application/json",
+            error_body(exc.status_code, str(exc.detail)),
+            exc.status_code,
+            headers=getattr(exc, "headers", None),
+            media_type=_JSON,
         )
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
-        return Response(
-            error_body(500, f"internal error: {type(exc).__name__}"), 500, media_type="application/json"
-        )
+        return Response(error_body(500, f"internal error: {type(exc).__name__}"), 500, media_type=_JSON)
 
 
 def _install_routes(app: FastAPI, settings: Settings) -> None:
+    # --8<-- [start:run_job]
     async def run_job(
         request: Request, texts: list[str], param: str, normalize: bool, truncate: bool, cache: bool
     ) -> tuple[EmbedJob, EmbedResult]:
-        if not getattr(request.app.state, "ready", False):
+        """Validate, tokenize, hand to the stage's backend: the part every stage shares."""
+        if not request.app.state.ready:
             raise APIError(503, "the model is not loaded yet", headers={"Retry-After": "1"})
         validate_texts(texts, settings, param)
         engine: Engine = request.app.state.engine
@@ -247,11 +294,20 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
             raise APIError(500, f"backend returned {result.vectors.shape[0]} vectors for {len(texts)} texts")
         return job, result
 
-    @app.post("/v1/embed", tags=["embeddings"])
-    async def embed(request: Request, body: EmbedRequest) -> Response:
+    # --8<-- [end:run_job]
+
+    @app.post(
+        "/v1/embed",
+        tags=["embeddings"],
+        response_model=EmbedResponse,
+        responses=_ERRORS,
+        openapi_extra=_body_doc(EmbedRequest),
+    )
+    async def embed(request: Request) -> Response:
         """Embed one text or a list of texts."""
         started = time.perf_counter()
-        texts = _as_list(body.inputs)
+        body = await read_body(request, EmbedRequest)
+        texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
         job, result = await run_job(request, texts, "inputs", body.normalize, body.truncate, body.cache)
         engine: Engine = request.app.state.engine
         payload = {
@@ -262,29 +318,36 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         }
         return json_response(payload, headers=_timing_headers(result, started))
 
-    @app.post("/v1/embeddings", tags=["embeddings"])
-    async def embeddings(request: Request, body: OpenAIEmbeddingRequest) -> Response:
+    @app.post(
+        "/v1/embeddings",
+        tags=["embeddings"],
+        response_model=OpenAIEmbeddingResponse,
+        responses={404: {"model": ErrorResponse, "description": "Unknown `model`"}, **_ERRORS},
+        openapi_extra=_body_doc(OpenAIEmbeddingRequest),
+    )
+    async def embeddings(request: Request) -> Response:
         """OpenAI-compatible embeddings (the official `openai` client works unchanged)."""
         started = time.perf_counter()
+        body = await read_body(request, OpenAIEmbeddingRequest)
         engine: Engine = request.app.state.engine
         if body.model is not None and body.model not in _model_aliases(engine):
             raise APIError(
-                404, f"model `{body.model}` is not served here; this server serves `{engine.model_name}`",
-                param="model", type="model_not_found",
+                404,
+                f"model `{body.model}` is not served here; this server serves `{engine.model_name}`",
+                param="model",
+                type="model_not_found",
             )
         if body.dimensions is not None and body.dimensions != engine.dimensions:
             raise APIError(
-                422, f"`dimensions` must be {engine.dimensions} for this model (got {body.dimensions})",
+                422,
+                f"`dimensions` must be {engine.dimensions} for this model (got {body.dimensions})",
                 param="dimensions",
             )
-        texts = _as_list(body.input)
+        texts = [body.input] if isinstance(body.input, str) else body.input
         job, result = await run_job(request, texts, "input", True, True, True)
+        vectors: Any = result.vectors  # orjson writes a (n, 384) float32 array row by row
         if body.encoding_format == "base64":
-            vectors: list[Any] = [
-                base64.b64encode(v.astype("<f4").tobytes()).decode() for v in result.vectors
-            ]
-        else:
-            vectors = list(result.vectors)
+            vectors = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in result.vectors]
         n_tokens = sum(t.n_tokens for t in job.tokens)
         payload = {
             "object": "list",
@@ -294,56 +357,69 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         }
         return json_response(payload, headers=_timing_headers(result, started))
 
-    @app.get("/v1/models", tags=["meta"])
+    @app.get("/v1/models", tags=["meta"], response_model=ModelList)
     async def models(request: Request) -> Response:
+        """The served model, in the OpenAI shape (its `id` is what `model` accepts)."""
         engine: Engine | None = getattr(request.app.state, "engine", None)
         data = []
         if engine is not None:
             data.append({"id": engine.model_name, "object": "model", "created": 0, "owned_by": "embedserve"})
         return json_response({"object": "list", "data": data})
 
-    @app.get("/health", tags=["meta"])
+    @app.get("/health", tags=["meta"], response_model=Status)
     async def health() -> Response:
         """Liveness: the process answers."""
         return json_response({"status": "ok"})
 
-    @app.get("/ready", tags=["meta"])
+    @app.get("/ready", tags=["meta"], response_model=Status, responses={503: {"model": ErrorResponse}})
     async def ready(request: Request) -> Response:
         """Readiness: 503 until the model is loaded and warmed, and again while draining."""
-        if getattr(request.app.state, "ready", False):
+        if request.app.state.ready:
             return json_response({"status": "ready"})
-        return Response(
-            error_body(503, "not ready"), 503, headers={"Retry-After": "1"}, media_type="application/json"
-        )
+        return _error_response(APIError(503, "not ready", headers={"Retry-After": "1"}))
 
 
-def _describe_validation_error(errors: Any) -> tuple[str, str | None]:
-    """One clear sentence for pydantic's first error (union branches folded away)."""
-    first = errors[0] if errors else {}
+def describe_validation_error(errors: Any) -> tuple[str, str | None]:
+    """One clear sentence, and the field it is about, for pydantic's errors.
+
+    Works for both ``read_body`` (locations start at the field) and FastAPI's own
+    validation (locations start with ``"body"``). A union ``str | list[str]`` reports one
+    error per branch; the list branch names the offending item, so it wins.
+    """
+    errors = list(errors)
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    for err in errors:
+        where = tuple(err.get("loc", ()))
+        if "list[str]" in where and isinstance(where[-1], int):
+            first = err
+            break
     kind = first.get("type", "")
     if kind == "json_invalid":
-        return "request body is not valid JSON", None
-    if kind == "model_attributes_type" or not first.get("loc"):
+        detail = str(first.get("msg", "")).removeprefix("Invalid JSON: ")
+        return f"request body is not valid JSON ({detail})", None
+    loc = [p for p in first.get("loc", ()) if p not in ("body", "str", "list[str]")]
+    if kind in ("model_type", "model_attributes_type", "dict_type") or not loc:
         return "request body must be a JSON object", None
-    parts: list[str] = []
-    for p in first.get("loc", ())[1:]:  # drop "body"
-        if isinstance(p, int):
-            parts[-1:] = [f"{parts[-1]}[{p}]" if parts else f"[{p}]"]
-        elif p not in ("str", "list[str]"):
-            parts.append(str(p))
-    param = ".".join(parts) or None
-    field_name = parts[0] if parts else ""
+    param = str(loc[0])
+    for p in loc[1:]:
+        param += f"[{p}]" if isinstance(p, int) else f".{p}"
     if kind == "missing":
         return f"`{param}` is required", param
-    if field_name in ("inputs", "input") and kind == "string_type":
-        if param and "[" in param:
-            return f"`{param}` must be a string", param
-        return f"`{field_name}` must be a string or a list of strings", param
     if kind == "extra_forbidden":
         return f"unknown field `{param}`", param
-    return f"`{param or 'body'}`: {first.get('msg', 'invalid value')}", param
+    if param in ("inputs", "input") and kind in ("string_type", "list_type"):
+        return f"`{param}` must be a string or a list of strings", param
+    if kind == "string_type":
+        return f"`{param}` must be a string", param
+    return f"`{param}`: {first.get('msg', 'invalid value')}", param
 
 
 def _model_aliases(engine: Engine) -> set[str]:
-    return {engine.model_name, engine.model_id, f"{engine.model_id}-int8", f"sentence-transformers/{engine.model_id}"}
-
+    return {
+        engine.model_name,
+        engine.model_id,
+        f"{engine.model_id}-int8",
+        f"sentence-transformers/{engine.model_id}",
+    }

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _TYPES = {
@@ -63,6 +64,8 @@ class BodySizeLimit:
     A pure ASGI middleware: it checks Content-Length first, and counts the bytes of a
     chunked body as they arrive, so a 100 MB upload is cut off after ``max_bytes``.
     (Starlette has no built-in limit; a ``BaseHTTPMiddleware`` would cost every request.)
+    The chunked case raises from ``receive``, inside the route's ``await request.body()``:
+    the app's HTTPException handler answers it; should nothing answer, this class does.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
@@ -92,7 +95,7 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _TooLarge
+                    raise _TooLarge(self._message())
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -127,5 +130,6 @@ class BodySizeLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(HTTPException):
+    def __init__(self, message: str) -> None:
+        super().__init__(413, message, headers={"Connection": "close"})

@@ -30,6 +30,8 @@ class NaiveBackend:
         if job.normalize:
             vectors = l2_normalize(vectors)
         return EmbedResult(vectors, timings={"inference_ms": inference_ms})
+
+
 # --8<-- [end:backend]
 
 

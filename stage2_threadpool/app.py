@@ -43,6 +43,8 @@ class ThreadPoolBackend(NaiveBackend):
 
     async def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
 # --8<-- [end:backend]
 
 

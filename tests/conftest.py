@@ -7,8 +7,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,3 +101,20 @@ def server_factory(tmp_path: Path):  # type: ignore[no-untyped-def]
         return run_server(stage, tmp_path, env)
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def stage_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Server]]:
+    """``stage_server("stage2_threadpool")``: that stage with default settings, started on first
+    use and shared by every test of the session (the contract, client and equivalence suites)."""
+    running: dict[str, Server] = {}
+    with ExitStack() as stack:
+
+        def get(stage: str) -> Server:
+            server = running.get(stage)
+            if server is None or server.process.poll() is not None:
+                server = stack.enter_context(run_server(stage, tmp_path_factory.mktemp(stage)))
+                running[stage] = server
+            return server
+
+        yield get
