@@ -90,6 +90,9 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         None, description="Comma-separated bearer keys; when set, /v1/* requires one."
     )
+    protect_metrics: bool = Field(
+        True, description="With API_KEY set, /metrics and /dashboard require a key too."
+    )
 
 
 @lru_cache(maxsize=1)
