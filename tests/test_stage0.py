@@ -1,0 +1,64 @@
+"""Stage 0, the plain script: arguments, file and stdin in; vectors or a summary out; --bench."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from common.engine import Engine
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stage0_script", *args], cwd=REPO, input=stdin, capture_output=True,
+        text=True, timeout=300, check=False,
+    )
+
+
+def test_texts_as_arguments_give_the_engine_vectors(engine: Engine) -> None:
+    proc = _run("A man is playing guitar.", "A river floods the valley.")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    vectors = np.asarray(out["embeddings"], dtype=np.float32)
+    assert vectors.shape == (2, 384)
+    expected = engine.embed(["A man is playing guitar.", "A river floods the valley."]).vectors
+    assert np.allclose(vectors, expected, atol=1e-5)
+    assert out["tokens"] == [8, 8] and out["truncated"] == [False, False]
+
+
+def test_stdin_and_file(tmp_path: Path) -> None:
+    proc = _run("--summary", stdin="first line\n\nsecond line\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "2 texts -> (2, 384)" in proc.stdout
+    f = tmp_path / "texts.txt"
+    f.write_text("one\ntwo\nthree\n")
+    proc = _run("--file", str(f))
+    assert proc.returncode == 0 and len(json.loads(proc.stdout)["embeddings"]) == 3
+
+
+def test_no_texts_is_a_clear_error() -> None:
+    proc = _run(stdin="")
+    assert proc.returncode == 2 and "no texts" in proc.stderr
+
+
+def test_bench_writes_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "stage0.json"
+    proc = _run("--bench", "--seconds", "0.05", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["machine"]["cores"] >= 1 and result["machine"]["cpu"]
+    names = [v["variant"] for v in result["variants"]]
+    assert names == ["fp32", "int8-dynamic", "int8-static"]
+    for v in result["variants"]:
+        assert v["size_mb"] > 0 and v["load_s"] > 0 and v["latency_ms_batch1"]["p50"] > 0
+        assert set(v["items_per_s"]) == {"1", "2", "4", "8", "16", "32", "64"}
+        assert all(x > 0 for x in v["items_per_s"].values())
+    sizes = {v["variant"]: v["size_mb"] for v in result["variants"]}
+    assert sizes["int8-dynamic"] < sizes["fp32"] / 3  # INT8 weights: about a quarter of fp32
+    assert "stsb_spearman_x100" in result["variants"][0]["quality"]
