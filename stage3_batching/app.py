@@ -1,0 +1,94 @@
+"""Stage 3: dynamic batching. Concurrent requests share one model call.
+
+Stage 2 made one model call per request; on a CPU each call pays a fixed cost (thread
+hand-offs, kernel launches, small matrices that use the cores badly). Here every request
+hands its texts to one ``Batcher`` (``batcher.py``), which groups them by queue-depth tier,
+token budget and length, runs each batch in one executor thread and answers every caller.
+
+    make stage3   # MAX_BATCH_SIZE, MAX_BATCH_TOKENS, BATCH_WINDOW_MS, ... from the environment
+
+New routes: ``GET /v1/batcher/config`` and ``GET /v1/batcher/metrics``. New headers:
+``x-queue-time`` (ms waiting for a batch) and ``x-batch-size`` (sizes of the caller's batches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from common.api import EmbedJob, EmbedResult, create_app, json_response
+from common.engine import Engine, l2_normalize
+from common.limits import APIError
+from common.settings import Settings
+from stage3_batching.batcher import Batcher, BatchRecord
+
+
+# --8<-- [start:backend]
+class BatchingBackend:
+    def __init__(
+        self, engine: Engine, settings: Settings, on_batch: Callable[[BatchRecord], None] | None = None
+    ) -> None:
+        self.engine = engine
+        # NEW: one batcher owns the model; requests queue for it instead of calling it.
+        self.batcher = Batcher(engine.run, settings, on_batch=on_batch)
+
+    async def start(self) -> None:
+        await self.batcher.start()
+
+    async def close(self) -> None:
+        await self.batcher.close()  # answers everything queued first
+
+    async def embed(self, job: EmbedJob) -> EmbedResult:
+        try:
+            out = await self.batcher.submit(job.tokens, deadline=job.deadline)
+        except APIError:
+            raise
+        except Exception as exc:  # the model raised for this caller's texts
+            raise APIError(500, f"the model failed on this request: {type(exc).__name__}") from exc
+        vectors = l2_normalize(out.vectors) if job.normalize else out.vectors
+        return EmbedResult(
+            vectors,
+            timings={"queue_ms": out.queue_ms, "inference_ms": out.inference_ms},
+            headers={"x-batch-size": ",".join(map(str, out.batch_sizes))},  # NEW
+        )
+
+
+# --8<-- [end:backend]
+
+
+def make_backend(engine: Engine, settings: Settings) -> BatchingBackend:
+    return BatchingBackend(engine, settings)
+
+
+# --8<-- [start:routes]
+def batcher_of(request: Request) -> Batcher:
+    backend = getattr(request.app.state, "backend", None)
+    batcher = getattr(backend, "batcher", None)
+    if not isinstance(batcher, Batcher):
+        raise APIError(503, "the model is not loaded yet", headers={"Retry-After": "1"})
+    return batcher
+
+
+def add_batcher_routes(app: FastAPI) -> None:
+    """``/v1/batcher/config`` and ``/v1/batcher/metrics``, for any app whose backend has ``.batcher``."""
+
+    @app.get("/v1/batcher/config", tags=["batcher"])
+    async def batcher_config(request: Request) -> Response:
+        """The batching settings this server runs with."""
+        return json_response(batcher_of(request).config())
+
+    @app.get("/v1/batcher/metrics", tags=["batcher"])
+    async def batcher_metrics(request: Request) -> Response:
+        """Batches, texts, batch-size distribution, tier counts, padding ratio, queue depth now."""
+        batcher = batcher_of(request)
+        stats = batcher.stats.as_dict()
+        return json_response({**stats, "queue_depth": batcher.queue_depth, "in_flight": batcher.in_flight})
+
+
+# --8<-- [end:routes]
+
+
+app = create_app("stage3_batching", make_backend, description=__doc__ or "")
+add_batcher_routes(app)
