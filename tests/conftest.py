@@ -118,3 +118,22 @@ def stage_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
             return server
 
         yield get
+
+
+# --- Redis (stage 4 and later): real servers, never a mock ------------------------
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """The shared Redis at 127.0.0.1:6379 when it answers, else a private redis-server (fails if neither)."""
+    from redis_support import any_redis
+
+    with any_redis(tmp_path) as url:
+        yield url
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A redis-server of this test's own on a free port, for tests that stop or pause it."""
+    from redis_support import own_redis
+
+    with own_redis(tmp_path) as server:
+        yield server

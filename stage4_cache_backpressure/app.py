@@ -1,0 +1,311 @@
+"""Stage 4: a cache, in-flight de-duplication, a bounded queue, deadlines and a graceful drain.
+
+Layers in front of stage 3's batcher (imported, not copied); a text goes through them in order:
+
+1. the in-process LRU (``cache.py``), no await;
+2. single-flight (``singleflight.py``): a text already being computed is waited for, not queued;
+3. the Redis tier when CACHE_URL is set (the leader looks it up, once for everyone waiting);
+4. admission (``admission.py``): a full queue answers 503 (or 429) at once, with Retry-After;
+5. stage 3's batcher, with the request's deadline: a text whose deadline passes while queued,
+   or whose client has gone, is dropped before the model.
+
+On SIGTERM readiness turns 503, uvicorn stops accepting and finishes what it admitted, then
+the batcher empties its queue and the Redis pool closes (all within DRAIN_TIMEOUT_S).
+
+    make stage4                                   # in-process cache only
+    CACHE_URL=redis://127.0.0.1:6379/0 make stage4  # two tiers, shared by every replica
+
+New headers: ``x-cache: hit | miss | partial | bypass`` with ``x-cache-hits`` and
+``x-cache-misses``. New route: ``GET /v1/cache/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from common.api import EmbedJob, EmbedResult, create_app, json_response
+from common.engine import Engine, l2_normalize
+from common.limits import APIError
+from common.settings import Settings
+from stage3_batching.app import BatchingBackend, add_batcher_routes
+from stage3_batching.batcher import BatchRecord
+from stage4_cache_backpressure.admission import Admission
+from stage4_cache_backpressure.cache import Cache, CacheStats, cache_key
+from stage4_cache_backpressure.singleflight import LeaderGone, SingleFlight
+
+log = logging.getLogger("embedserve.stage4")
+
+
+@dataclass(slots=True)
+class Stage4Stats:
+    """Every counter of this stage, read by ``/v1/cache/metrics`` and by stage 5."""
+
+    cache: CacheStats = field(default_factory=CacheStats)
+    deduplicated: int = 0  # texts answered by another request's computation
+    rejected: int = 0  # requests refused because the queue was full (OVERLOAD_STATUS)
+    deadline_exceeded: int = 0  # requests answered 504
+    disconnects: int = 0  # requests whose client left first (their queued texts never run)
+    bypassed: int = 0  # requests that opted out of the cache
+    active: int = 0  # requests inside the backend right now
+
+    def as_dict(self) -> dict[str, Any]:
+        names = ("deduplicated", "rejected", "deadline_exceeded", "disconnects", "bypassed", "active")
+        return {"cache": self.cache.as_dict(), **{n: getattr(self, n) for n in names}}
+
+
+# --8<-- [start:backend]
+class CacheBackend(BatchingBackend):
+    def __init__(
+        self,
+        engine: Engine,
+        settings: Settings,
+        on_batch: Callable[[BatchRecord], None] | None = None,
+        on_drain: Callable[[], None] | None = None,
+        drain_on_signal: bool = False,
+    ) -> None:
+        super().__init__(engine, settings, on_batch=self._observe_batch)
+        self.settings, self._on_batch, self._on_drain = settings, on_batch, on_drain
+        self.stats = Stage4Stats()
+        self.cache = Cache(settings, engine.dimensions, self.stats.cache)  # NEW: two tiers
+        self.flights: SingleFlight[np.ndarray] = SingleFlight()  # NEW: one computation per text
+        # NEW: the bounded queue, measured on the batcher's own queue
+        self.admission = Admission(settings.max_queue, settings.overload_status, self._queue_depth)
+        self.draining = False
+        self._drain_on_signal = drain_on_signal
+
+    def _queue_depth(self) -> int:
+        return self.batcher.queue_depth
+
+    async def start(self) -> None:
+        await super().start()
+        await self.cache.start()
+        if self._drain_on_signal:
+            _chain_signal_handlers(self.begin_drain)
+
+    async def close(self) -> None:
+        await super().close()  # the batcher answers everything queued first
+        await self.cache.close()
+        log.info("stage 4 closed: queue empty, cache closed")
+
+    def begin_drain(self) -> None:
+        """SIGTERM: readiness goes 503; uvicorn stops accepting and lets admitted requests finish."""
+        if not self.draining:
+            self.draining = True
+            log.warning("draining: %d request(s) in progress, readiness now 503", self.stats.active)
+            if self._on_drain is not None:
+                self._on_drain()
+
+    def _observe_batch(self, record: BatchRecord) -> None:
+        self.admission.observe(record)
+        if self._on_batch is not None:
+            self._on_batch(record)
+
+    async def embed(self, job: EmbedJob) -> EmbedResult:
+        self.stats.active += 1
+        try:
+            if job.request is None:
+                return await self._embed(job)
+            return await self._unless_client_leaves(job, job.request)
+        except APIError as exc:
+            if exc.status == 504:
+                self.stats.deadline_exceeded += 1
+            elif exc.status == self.settings.overload_status:
+                self.stats.rejected += 1
+            raise
+        finally:
+            self.stats.active -= 1
+
+    # --8<-- [end:backend]
+
+    # --8<-- [start:disconnect]
+    async def _unless_client_leaves(self, job: EmbedJob, request: Request) -> EmbedResult:
+        """Race the work against the client hanging up; cancelling it drops its queued texts."""
+        work = asyncio.ensure_future(self._embed(job))
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()  # its queued texts are skipped by the batcher
+        if work in done:
+            return work.result()
+        self.stats.disconnects += 1
+        raise APIError(499, "client closed the request")  # nobody reads this answer
+
+    # --8<-- [end:disconnect]
+
+    # --8<-- [start:embed]
+    async def _embed(self, job: EmbedJob) -> EmbedResult:
+        n = len(job.texts)
+        model, sha = self.engine.model_id, self.engine.model_sha256
+        keys = [cache_key(model, sha, job.normalize, text) for text in job.texts]
+        out = np.empty((n, self.engine.dimensions), np.float32)
+        tally: Counter[str] = Counter()
+        todo = list(range(n))
+        use_cache = job.use_cache and self.cache.enabled
+        if use_cache:  # 1. memory tier
+            found = self.cache.get_local(keys)
+            for i, vector in enumerate(found):
+                if vector is not None:
+                    out[i] = vector
+                    tally["hit"] += 1
+            todo = [i for i, vector in enumerate(found) if vector is None]
+        else:
+            self.stats.bypassed += 1
+        lead: list[tuple[int, asyncio.Future[np.ndarray] | None]] = []
+        follow: list[tuple[int, asyncio.Future[np.ndarray] | None]] = []
+        for i in todo:  # 2. single-flight (opted-out requests compute their own)
+            flight = self.flights.join(keys[i]) if use_cache else None
+            (lead if flight is None else follow).append((i, flight))
+        timings: dict[str, float] = {}
+        headers: dict[str, str] = {}
+        if lead:
+            indices = [i for i, _ in lead]
+            led = [keys[i] for i in indices] if use_cache else []  # the flights this request owns
+            try:
+                await self._lead(job, keys, indices, out, tally, timings, headers, use_cache)
+            except asyncio.CancelledError:
+                self.flights.fail(led, LeaderGone())
+                raise
+            except APIError as exc:  # a 504 is the leader's own deadline: followers try again
+                self.flights.fail(led, LeaderGone() if exc.status == 504 else exc)
+                raise
+            except Exception as exc:
+                error = APIError(500, f"the model failed on this request: {type(exc).__name__}")
+                self.flights.fail(led, error)
+                raise error from exc
+        for i, flight in follow:
+            assert flight is not None
+            out[i] = await self._follow(job, i, flight)
+            tally["shared"] += 1
+        self.stats.deduplicated += len(follow)
+        headers.update(_cache_headers(tally, n, use_cache))
+        return EmbedResult(out, timings=timings, headers=headers)
+
+    async def _lead(
+        self,
+        job: EmbedJob,
+        keys: list[str],
+        indices: list[int],
+        out: np.ndarray,
+        tally: Counter[str],
+        timings: dict[str, float],
+        headers: dict[str, str],
+        use_cache: bool,
+    ) -> None:
+        if use_cache and self.cache.redis is not None:  # 3. Redis tier, once for all followers
+            found = await self.cache.get_remote([keys[i] for i in indices])
+            for i, vector in zip(indices, found, strict=True):
+                if vector is not None:
+                    out[i] = vector
+                    tally["hit"] += 1
+                    self.flights.resolve(keys[i], vector)
+            indices = [i for i, v in zip(indices, found, strict=True) if v is None]
+        if not indices:
+            return
+        if job.deadline is not None and time.monotonic() >= job.deadline:
+            raise APIError(504, "request deadline passed before the model was reached")
+        self.admission.check(len(indices))  # 4. bounded queue: 503 now, never a long wait
+        outcome = await self.batcher.submit([job.tokens[i] for i in indices], deadline=job.deadline)
+        vectors = l2_normalize(outcome.vectors) if job.normalize else outcome.vectors
+        out[indices] = vectors
+        tally["computed"] += len(indices)
+        timings.update(queue_ms=outcome.queue_ms, inference_ms=outcome.inference_ms)
+        headers["x-batch-size"] = ",".join(map(str, outcome.batch_sizes))
+        new_keys = [keys[i] for i in indices]
+        await self.cache.put(new_keys, vectors)  # an opted-out answer still refreshes the cache
+        if use_cache:
+            for key, vector in zip(new_keys, vectors, strict=True):
+                self.flights.resolve(key, vector)
+
+    async def _follow(self, job: EmbedJob, i: int, flight: asyncio.Future[np.ndarray]) -> np.ndarray:
+        """Wait for another request's computation of this text (bounded by our own deadline)."""
+        left = None if job.deadline is None else job.deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.shield(flight), left)
+        except TimeoutError:
+            raise APIError(504, "request deadline passed while the same text was being computed") from None
+        except LeaderGone:  # the leader's client left or its deadline passed: ours may not have
+            one = EmbedJob([job.texts[i]], [job.tokens[i]], job.normalize, job.use_cache, job.deadline)
+            return (await self._embed(one)).vectors[0]
+
+    # --8<-- [end:embed]
+
+
+def _cache_headers(tally: Counter[str], n: int, use_cache: bool) -> dict[str, str]:
+    hits = tally["hit"]
+    state = "bypass" if not use_cache else "hit" if hits == n else "miss" if hits == 0 else "partial"
+    return {"x-cache": state, "x-cache-hits": str(hits), "x-cache-misses": str(n - hits)}
+
+
+async def _client_gone(request: Request) -> None:
+    """Return when the client disconnects (the body is read, so only a disconnect arrives)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _chain_signal_handlers(on_signal: Callable[[], None]) -> None:
+    """Run ``on_signal`` first on SIGTERM/SIGINT, then uvicorn's own handler (which starts its shutdown)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(sig)
+
+        def handler(signum: int, frame: FrameType | None, previous: Any = previous) -> None:
+            on_signal()
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(sig, handler)
+
+
+def make_backend(engine: Engine, settings: Settings) -> CacheBackend:
+    def stop_ready() -> None:
+        app.state.ready = False  # /ready answers 503, new requests get 503
+
+    return CacheBackend(engine, settings, on_drain=stop_ready, drain_on_signal=True)
+
+
+# --8<-- [start:routes]
+def add_cache_routes(app: FastAPI) -> None:
+    @app.get("/v1/cache/metrics", tags=["cache"])
+    async def cache_metrics(request: Request) -> Response:
+        """Cache hits and misses by tier, Redis errors, de-duplicated texts, 503s, 504s, disconnects."""
+        backend = getattr(request.app.state, "backend", None)
+        if not isinstance(backend, CacheBackend):
+            raise APIError(503, "the model is not loaded yet", headers={"Retry-After": "1"})
+        return json_response(
+            {
+                **backend.stats.as_dict(),
+                "in_flight_texts": len(backend.flights),
+                "queue_depth": backend.batcher.queue_depth,
+                "max_queue": backend.admission.max_queue,
+                "drain_rate": round(backend.admission.drain_rate, 1),
+                "draining": backend.draining,
+                "config": backend.cache.config(),
+            }
+        )
+
+
+# --8<-- [end:routes]
+
+
+app = create_app("stage4_cache_backpressure", make_backend, description=__doc__ or "")
+add_batcher_routes(app)
+add_cache_routes(app)
