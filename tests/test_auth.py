@@ -8,12 +8,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import SERVER_STAGES, Server, run_server
 from fastapi import FastAPI
 
 from common.auth import BearerAuth, install_auth, parse_keys
 from common.settings import Settings
 from loadtests.procs import redis_server
-from tests.conftest import SERVER_STAGES, Server, run_server
 
 KEYS = ("sk-alpha-7f3e9c1d", "sk-beta-42aa0b6e")
 WRONG_KEY = "sk-gamma-wrong-5d1c"
