@@ -1,0 +1,203 @@
+"""`make compare`: every server stage under the same Locust profiles, in one run, on one machine.
+
+    python -m loadtests.compare            # full: 20 s per point (run it on a quiet machine)
+    python -m loadtests.compare --quick    # a few seconds per point, to see that it all works
+
+For each stage that exists: start it with the command `make stageN` runs, warm it up, run every
+profile in ``harness.PROFILES`` as one headless Locust process, stop it. Then measure the engine
+alone on the same texts (the ceiling no server can beat without a cache). Absolute numbers
+depend on the machine and on whatever else runs on it; ratios inside one run are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from common import corpus
+from common.engine import Engine
+from common.serve import STAGES, available_stages, resolve
+from common.settings import Settings
+from loadtests import harness, report
+from loadtests.harness import PROFILES, Profile
+
+CEILING_SEED = 7
+CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+# --8<-- [start:ceiling]
+def engine_ceiling(kinds: Sequence[str], seconds: float) -> dict[str, Any]:
+    """Texts per second of the engine alone (tokenize + model + normalize), at its best batch size."""
+    engine = Engine.from_settings(Settings())  # same settings, same threads as the servers
+    engine.warmup()
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        texts = corpus.texts(2048, seed=CEILING_SEED, kind=kind)
+        by_batch: dict[str, float] = {}
+        for batch in CEILING_BATCHES:
+            done, i, start = 0, 0, time.perf_counter()
+            while time.perf_counter() - start < seconds or done == 0:
+                chunk = texts[i : i + batch] if i + batch <= len(texts) else texts[:batch]
+                i = (i + batch) % len(texts)
+                engine.embed(chunk)
+                done += len(chunk)
+            by_batch[str(batch)] = done / (time.perf_counter() - start)
+        best = max(by_batch, key=lambda b: by_batch[b])
+        out[kind] = {"texts_per_s": by_batch[best], "best_batch": int(best), "by_batch": by_batch}
+    return out
+
+
+# --8<-- [end:ceiling]
+
+
+def _select_profiles(names: str | None, users: str | None) -> list[Profile]:
+    chosen = list(PROFILES)
+    if names:
+        wanted = {n.strip() for n in names.split(",")}
+        unknown = wanted - {p.name for p in PROFILES}
+        if unknown:
+            raise SystemExit(f"unknown profile(s) {sorted(unknown)}; known: {[p.name for p in PROFILES]}")
+        chosen = [p for p in chosen if p.name in wanted]
+    if users:
+        # Fewer unique-text points (the test suite): keep the other profiles whole.
+        keep = {int(u) for u in users.split(",")}
+        chosen = [p for p in chosen if p.user_class != "UniqueTextUser" or p.users in keep]
+    return chosen
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="A few seconds per point.")
+    parser.add_argument("--duration", type=float, help="Seconds per point (default 20, quick 3).")
+    parser.add_argument("--warmup", type=float, help="Seconds of warm-up per stage (default 10, quick 1).")
+    parser.add_argument("--ceiling-seconds", type=float, help="Seconds per batch size for the ceiling.")
+    parser.add_argument("--stages", help="Comma-separated stages (default: every stage that exists).")
+    parser.add_argument("--profiles", help="Comma-separated profile names (default: all).")
+    parser.add_argument("--users", help="Keep only these user counts of the unique-text profile, e.g. 8,32.")
+    parser.add_argument("--seed", type=int, default=1, help="Base seed of the texts.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="Port for the servers (0: a free one).")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=harness.REPO / "docs" / "results",
+        help="Where compare.json and compare.md go.",
+    )
+    parser.add_argument("--img", type=Path, default=harness.REPO / "docs" / "img", help="Where the PNGs go.")
+    parser.add_argument(
+        "--raw",
+        type=Path,
+        default=harness.REPO / "out" / "compare",
+        help="Locust's CSV/JSON and the server logs (git-ignored).",
+    )
+    args = parser.parse_args(argv)
+    args.duration = args.duration or (3.0 if args.quick else 20.0)
+    args.warmup = args.warmup if args.warmup is not None else (1.0 if args.quick else 10.0)
+    args.ceiling_seconds = args.ceiling_seconds or (0.5 if args.quick else 3.0)
+    return args
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_stage(stage: str, profiles: list[Profile], args: argparse.Namespace) -> list[dict[str, Any]]:
+    port = args.port or _free_port()
+    url = f"http://{args.host}:{port}"
+    raw = args.raw / stage
+    results = []
+    t0 = time.monotonic()
+    with harness.running_stage(stage, args.host, port, raw / "server.log") as server:
+        print(f"{stage}: ready in {time.monotonic() - t0:.1f} s on {url}", flush=True)
+        answered = harness.warm_up(url, args.warmup)
+        print(f"{stage}: warm-up answered {answered} requests in {args.warmup:g} s", flush=True)
+        for profile in profiles:
+            settled = harness.settle(server.pid, url)
+            # The same seed for the same profile in every stage: each stage gets the same texts.
+            point = harness.run_point(
+                stage,
+                url,
+                profile,
+                args.duration,
+                raw / profile.name,
+                args.seed * 100 + PROFILES.index(profile),
+                server.pid,
+            )
+            point.extra["settle_s"] = round(settled, 2)
+            results.append(point.as_dict())
+            fails = point.failures
+            print(
+                f"{stage:>26} {profile.name:>13}: {point.rps:8.1f} req/s  p50 {point.p50_ms:7.0f} ms"
+                f"  p99 {point.p99_ms:7.0f} ms  503 {fails['503']:5d}  other {fails['other']:4d}"
+                f"  cores: server {point.server_cores:.2f} locust {point.loadgen_cores:.2f}"
+                f" other {point.other_cores:.2f}",
+                flush=True,
+            )
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = _parse(argv)
+    wanted = [resolve(s.strip()) for s in args.stages.split(",")] if args.stages else list(STAGES)
+    present = set(available_stages())
+    stages = [s for s in wanted if s in present]
+    skipped = [s for s in wanted if s not in present]
+    for s in skipped:
+        print(f"{s}: skipped, it does not exist in this checkout yet", flush=True)
+    profiles = _select_profiles(args.profiles, args.users)
+
+    started = datetime.now(UTC)
+    points: list[dict[str, Any]] = []
+    for stage in stages:
+        points += run_stage(stage, profiles, args)
+    print("engine ceiling: measuring the engine alone ...", flush=True)
+    ceiling = engine_ceiling(sorted({p.text_kind for p in profiles}), args.ceiling_seconds)
+    for kind, c in ceiling.items():
+        print(
+            f"engine ceiling ({kind}): {c['texts_per_s']:.1f} texts/s at batch {c['best_batch']}", flush=True
+        )
+
+    result = {
+        "command": "make compare" + (" QUICK=1" if args.quick else ""),
+        "quick": args.quick,
+        "date": started.isoformat(timespec="seconds"),
+        "finished": datetime.now(UTC).isoformat(timespec="seconds"),
+        "git_commit": harness.git_commit(),
+        "machine": harness.machine(),
+        "versions": harness.versions(),
+        "settings": {
+            "duration_s": args.duration,
+            "warmup_s": args.warmup,
+            "seed": args.seed,
+            "ceiling_seconds_per_batch": args.ceiling_seconds,
+        },
+        "stages": stages,
+        "skipped_stages": skipped,
+        "profiles": [{**vars(p), "options": list(p.options)} for p in profiles],
+        "engine_ceiling": ceiling,
+        "points": report.add_ratios(points, profiles, ceiling),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "compare.md").write_text(report.markdown(result))
+    images = report.plots(result, args.img)
+    print(
+        f"wrote {args.out / 'compare.json'}, {args.out / 'compare.md'}, {', '.join(str(p) for p in images)}",
+        flush=True,
+    )
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,380 @@
+"""What `make compare` and `make loadtest` share: start a stage, warm it, run Locust, measure CPU.
+
+Locust runs as ONE subprocess (``python -m locust --headless``, FastHttpUser) so its CPU use can
+be measured apart from the server's. This module never imports locust: locust monkey-patches
+the standard library with gevent on import, and this process also starts servers and threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from common import corpus
+
+REPO = Path(__file__).resolve().parent.parent
+LOCUSTFILE = REPO / "loadtests" / "locustfile.py"
+WARMUP_SEED = 999  # never used by a profile, so a warm cache cannot flatter the unique-text runs
+
+
+# --8<-- [start:profiles]
+@dataclass(frozen=True)
+class Profile:
+    """One headless Locust run: a user class, a user count and a few workload options."""
+
+    name: str
+    user_class: str
+    users: int
+    text_kind: str = "sentence"
+    texts_per_request: int = 1
+    options: tuple[str, ...] = ()
+
+    def args(self) -> list[str]:
+        args = ["--text-kind", self.text_kind, *self.options]
+        if self.user_class == "OverloadUser":
+            return [*args, "--overload-texts", str(self.texts_per_request)]
+        return [*args, "--texts-per-request", str(self.texts_per_request)]
+
+
+# The same list for every stage, in this order (overload last: it leaves the slow stages busiest).
+PROFILES: tuple[Profile, ...] = (
+    Profile("unique-1", "UniqueTextUser", 1),
+    Profile("unique-8", "UniqueTextUser", 8),
+    Profile("unique-32", "UniqueTextUser", 32),
+    Profile("unique-128", "UniqueTextUser", 128),
+    Profile("repeated-32", "RepeatedTextUser", 32, options=("--unique-ratio", "0.3")),
+    Profile("mixed-32", "MixedLengthUser", 32, text_kind="mixed"),
+    Profile("waves-32", "WaveUser", 32, options=("--wave-period", "0.5")),
+    Profile("overload-256", "OverloadUser", 256, texts_per_request=8),
+)
+# --8<-- [end:profiles]
+
+
+def server_command(stage: str) -> list[str]:
+    """Exactly what `make stageN` runs."""
+    return [sys.executable, "-m", "common.serve", stage]
+
+
+def server_env(host: str, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k.upper() != "CACHE_URL"}
+    # A shared Redis would keep answers between runs and turn "unique" texts into cache hits.
+    return {**env, "HOST": host, "PORT": str(port), **(extra or {})}
+
+
+def is_up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_ready(url: str, process: subprocess.Popen[bytes] | None, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not is_up(url):
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+@contextmanager
+def running_stage(
+    stage: str, host: str, port: int, log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Start ``stage`` as `make stageN` does, wait for /ready, and stop it (SIGTERM) on exit."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            server_command(stage),
+            cwd=REPO,
+            env=server_env(host, port, env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_ready(f"http://{host}:{port}", process)
+        yield process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def warm_up(url: str, seconds: float, clients: int = 4) -> int:
+    """Send unique sentences from a few threads for ``seconds``; returns how many were answered."""
+    deadline = time.monotonic() + seconds
+    done = [0] * clients
+
+    def worker(i: int) -> None:
+        texts = corpus.stream(WARMUP_SEED * 100 + i, "mixed")
+        with httpx.Client(timeout=60.0) as client:
+            while time.monotonic() < deadline:
+                if client.post(f"{url}/v1/embed", json={"inputs": [next(texts)]}).status_code == 200:
+                    done[i] += 1
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(done)
+
+
+def process_cpu(process: psutil.Process) -> float:
+    """CPU seconds of a process and its children (uvicorn runs one process; be safe anyway)."""
+    total = 0.0
+    for p in [process, *process.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def busy_cpu() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all cores)."""
+    t = psutil.cpu_times()
+    return float(sum(t) - t.idle - getattr(t, "iowait", 0.0))
+
+
+def settle(pid: int, url: str, idle_cores: float = 0.15, max_s: float = 60.0) -> float:
+    """Wait until the server answers /health and is idle: the previous run's backlog is gone."""
+    process = psutil.Process(pid)
+    start = time.monotonic()
+    while time.monotonic() - start < max_s:
+        before = process_cpu(process)
+        time.sleep(0.5)
+        if (process_cpu(process) - before) / 0.5 < idle_cores:
+            try:
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+    return time.monotonic() - start
+
+
+class CpuSampler:
+    """Samples the server's CPU seconds and the machine's busy seconds every ``interval``."""
+
+    def __init__(self, pid: int | None, interval: float = 0.1) -> None:
+        self.process = psutil.Process(pid) if pid else None
+        self.interval = interval
+        self.samples: list[tuple[float, float, float]] = []  # (time.time(), server cpu, busy cpu)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _sample(self) -> None:
+        server = process_cpu(self.process) if self.process else 0.0
+        self.samples.append((time.time(), server, busy_cpu()))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> CpuSampler:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def between(self, start: float, stop: float) -> tuple[float, float]:
+        """(server CPU s, machine busy CPU s) from ``start`` to ``stop`` (wall clock), interpolated."""
+
+        def at(t: float) -> tuple[float, float]:
+            s = self.samples
+            for (t0, a0, b0), (t1, a1, b1) in itertools.pairwise(s):
+                if t0 <= t <= t1:
+                    f = (t - t0) / (t1 - t0) if t1 > t0 else 0.0
+                    return a0 + f * (a1 - a0), b0 + f * (b1 - b0)
+            _, a, b = s[0] if t < s[0][0] else s[-1]
+            return a, b
+
+        (a0, b0), (a1, b1) = at(start), at(stop)
+        return a1 - a0, b1 - b0
+
+
+def percentile(response_times: dict[str, int], q: float) -> float:
+    """Locust's own percentile over its rounded response-time buckets (ms)."""
+    buckets = sorted(((float(ms), n) for ms, n in response_times.items()), reverse=True)
+    total = sum(n for _, n in buckets)
+    keep, seen = int(total * q), 0
+    for ms, n in buckets:
+        seen += n
+        if total - seen <= keep:
+            return ms
+    return 0.0
+
+
+def classify_failures(errors: dict[str, int]) -> dict[str, int]:
+    """Locust error strings -> {"503": n, "other": n}; the locustfile names failures ``HTTP <code>``."""
+    out = {"503": 0, "other": 0}
+    for error, count in errors.items():
+        code = re.search(r"HTTP (\d{3})", error)
+        out["503" if code and code.group(1) == "503" else "other"] += count
+    return out
+
+
+@dataclass
+class PointResult:
+    """Every figure of one Locust run against one stage."""
+
+    stage: str
+    profile: str
+    user_class: str
+    users: int
+    texts_per_request: int
+    window_s: float
+    requests: int
+    successes: int
+    failures: dict[str, int]
+    errors: dict[str, int]
+    rps: float  # successful requests per second
+    texts_per_s: float
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    max_ms: float
+    loadgen_cores: float  # CPU the Locust process used, in cores, over the window
+    server_cores: float
+    other_cores: float  # everything else on the machine (other users, this harness)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --8<-- [start:locust_command]
+def locust_command(url: str, profile: Profile, seconds: float, prefix: Path, seed: int) -> list[str]:
+    users = str(profile.users)
+    # fmt: off
+    return [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", url,
+        "-u", users, "-r", users, "-t", f"{seconds:g}s",
+        "--reset-stats",  # measure from the moment every user is running, not during the ramp
+        "--only-summary", "--loglevel", "WARNING", "--exit-code-on-error", "0",
+        "--csv", str(prefix), "--json-file", str(prefix),
+        "--run-report", f"{prefix}_report.json", "--seed", str(seed),
+        *profile.args(), profile.user_class,
+    ]
+    # fmt: on
+
+
+# --8<-- [end:locust_command]
+
+
+def run_point(
+    stage: str, url: str, profile: Profile, seconds: float, prefix: Path, seed: int, server_pid: int | None
+) -> PointResult:
+    """One headless Locust run; raw CSV/JSON land next to ``prefix``."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    command = locust_command(url, profile, seconds, prefix, seed)
+    with CpuSampler(server_pid) as sampler, (prefix.parent / f"{prefix.name}_locust.log").open("wb") as log:
+        done = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=seconds + 120)
+    if done.returncode != 0:
+        raise RuntimeError(f"locust exited with {done.returncode}; see {prefix}_locust.log")
+    entries = json.loads(Path(f"{prefix}.json").read_text())
+    report = json.loads(Path(f"{prefix}_report.json").read_text())
+    window = max(report["wall_s"], 1e-9)
+    server_s, busy_s = sampler.between(report["start_wall"], report["stop_wall"])
+
+    requests = sum(e["num_requests"] for e in entries)
+    failed = sum(e["num_failures"] for e in entries)
+    times: dict[str, int] = {}
+    for e in entries:
+        for k, v in e["response_times"].items():
+            times[k] = times.get(k, 0) + v
+    errors = report.get("errors", {})
+    return PointResult(
+        stage=stage,
+        profile=profile.name,
+        user_class=profile.user_class,
+        users=profile.users,
+        texts_per_request=profile.texts_per_request,
+        window_s=window,
+        requests=requests,
+        successes=requests - failed,
+        failures=classify_failures(errors),
+        errors=errors,
+        rps=(requests - failed) / window,
+        texts_per_s=(requests - failed) * profile.texts_per_request / window,
+        p50_ms=percentile(times, 0.50),
+        p95_ms=percentile(times, 0.95),
+        p99_ms=percentile(times, 0.99),
+        max_ms=max((e["max_response_time"] or 0.0 for e in entries), default=0.0),
+        loadgen_cores=report["cores"],
+        server_cores=server_s / window,
+        other_cores=max(0.0, (busy_s - server_s - report["cpu_s"]) / window),
+    )
+
+
+def machine() -> dict[str, Any]:
+    """The machine a result came from: CPU model, cores, memory, OS."""
+    model = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu_model": model,
+        "logical_cores": psutil.cpu_count(logical=True),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for name in ("onnxruntime", "tokenizers", "numpy", "fastapi", "uvicorn", "locust", "redis"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "missing"
+    return out
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return f"{head}{'+dirty' if dirty else ''}"
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
