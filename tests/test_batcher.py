@@ -1,0 +1,409 @@
+"""The stage 3 batcher, deterministically: a fake model gated by an ``asyncio.Event``.
+
+As Ray Serve's batching tests do, nothing here sleeps and hopes: the fake model blocks
+until the test opens its gate, so the test decides what is queued while a batch runs,
+and every wait is a short ``asyncio.wait(..., timeout=...)``. The last tests run the
+real engine and compare each caller's vectors with the engine alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from common import corpus
+from common.engine import Engine, TokenizedText, l2_normalize
+from common.settings import Settings
+from stage3_batching.batcher import Batcher, BatchOutcome, BatchRecord, DeadlineExceeded
+
+SHORT = 1.0  # seconds: generous for "it happens", it never elapses when the code is right
+BLOCKED = 0.2  # seconds: how long we watch for "it does not happen"
+WINDOW_MS = 60_000.0  # a batch that waited for this window would fail the test
+
+
+class FakeModel:
+    """Runs in the batcher's executor thread; blocks on ``gate`` (an asyncio.Event on the test's loop).
+
+    Row vector: [marker, n_tokens, sum of ids, 1], so a caller can tell its rows from anyone else's.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.entered = asyncio.Event()  # set each time a call starts
+        self.calls: list[list[int]] = []  # markers of each call's rows
+        self.poison: Callable[[list[np.ndarray]], bool] = lambda ids: False
+        self.wrong_count = False
+
+    def __call__(self, ids: list[np.ndarray]) -> np.ndarray:
+        self.calls.append([int(row[0]) for row in ids])
+        self.loop.call_soon_threadsafe(self.entered.set)
+        asyncio.run_coroutine_threadsafe(self.gate.wait(), self.loop).result(timeout=10)
+        if self.poison(ids):
+            raise ValueError("poisoned input")
+        out = np.array([[row[0], len(row), row.sum(), 1.0] for row in ids], dtype=np.float32)
+        return out[:-1] if self.wrong_count else out
+
+    async def wait_entered(self) -> None:
+        await asyncio.wait_for(self.entered.wait(), SHORT)
+        self.entered.clear()
+
+    def sizes(self) -> list[int]:
+        return [len(c) for c in self.calls]
+
+
+def tok(marker: int, n_tokens: int = 5) -> TokenizedText:
+    """A fake tokenized text: first id is the marker, the rest filler."""
+    return TokenizedText(np.array([marker] + [1] * (n_tokens - 1), dtype=np.int64), truncated=False)
+
+
+def make_settings(**overrides: Any) -> Settings:
+    base: dict[str, Any] = {
+        "max_batch_size": 8,
+        "max_batch_tokens": 10_000,
+        "batch_window_ms": 0.0,
+        "batch_low_threshold": 3,
+        "batch_high_threshold": 10,
+        "group_by_length": False,
+        "group_window": 64,
+    }
+    return Settings(**{**base, **overrides})
+
+
+@pytest.fixture
+async def model() -> FakeModel:
+    return FakeModel(asyncio.get_running_loop())
+
+
+@pytest.fixture
+def records() -> list[BatchRecord]:
+    return []
+
+
+async def started(model: FakeModel, records: list[BatchRecord], **overrides: Any) -> Batcher:
+    batcher = Batcher(model, make_settings(**overrides), on_batch=records.append)
+    await batcher.start()
+    return batcher
+
+
+@pytest.fixture
+async def batcher(model: FakeModel, records: list[BatchRecord]) -> AsyncIterator[Batcher]:
+    b = await started(model, records)
+    yield b
+    model.gate.set()
+    await asyncio.wait_for(b.close(), SHORT)
+
+
+def submit(batcher: Batcher, *markers: int, n_tokens: int = 5, **kw: Any) -> asyncio.Task[BatchOutcome]:
+    return asyncio.create_task(batcher.submit([tok(m, n_tokens) for m in markers], **kw))
+
+
+async def hold_model(batcher: Batcher, model: FakeModel, marker: int = 0) -> asyncio.Task[BatchOutcome]:
+    """Occupy the model with one text; texts submitted now queue behind it."""
+    model.gate.clear()
+    first = submit(batcher, marker)
+    await model.wait_entered()
+    return first
+
+
+async def done(*tasks: asyncio.Task[Any]) -> None:
+    _finished, pending = await asyncio.wait(tasks, timeout=SHORT)
+    assert not pending, f"{len(pending)} request(s) still pending"
+
+
+def markers(outcome: BatchOutcome) -> list[int]:
+    return [int(v) for v in outcome.vectors[:, 0]]
+
+
+# --- tiers -------------------------------------------------------------------------
+async def test_a_lone_request_goes_at_once_at_low_tier(model: FakeModel, records: list[BatchRecord]) -> None:
+    batcher = await started(model, records, batch_window_ms=WINDOW_MS)
+    task = submit(batcher, 7)  # waiting for the window would time out
+    await done(task)
+    assert markers(task.result()) == [7]
+    assert task.result().batch_sizes == [1]
+    assert [r.tier for r in records] == ["low"]
+    assert batcher.stats.tiers["low"] == 1
+    await batcher.close()
+
+
+async def test_concurrent_requests_share_one_batch(model: FakeModel, records: list[BatchRecord]) -> None:
+    batcher = await started(model, records, batch_window_ms=WINDOW_MS)
+    first = await hold_model(batcher, model)
+    others = [submit(batcher, m) for m in range(1, 9)]  # 8 = MAX_BATCH_SIZE: full, goes at once
+    await asyncio.sleep(0)
+    assert batcher.queue_depth == 8 and batcher.in_flight == 1
+    model.gate.set()
+    await done(first, *others)
+    assert model.sizes() == [1, 8]
+    assert all(t.result().batch_sizes == [8] for t in others)
+    assert [markers(t.result()) for t in others] == [[m] for m in range(1, 9)]
+    assert [r.tier for r in records] == ["low", "medium"]
+    await batcher.close()
+
+
+async def test_medium_tier_waits_for_the_window_until_the_batch_fills(
+    model: FakeModel, records: list[BatchRecord]
+) -> None:
+    batcher = await started(model, records, batch_window_ms=WINDOW_MS)
+    first = await hold_model(batcher, model)
+    some = [submit(batcher, m) for m in (1, 2, 3)]  # 3 queued: MEDIUM, waits for the window
+    await asyncio.sleep(0)
+    model.gate.set()
+    await done(first)
+    finished, _ = await asyncio.wait(some, timeout=BLOCKED)
+    assert not finished, "a MEDIUM batch went before its window or a full batch"
+    rest = [submit(batcher, m) for m in range(4, 9)]  # now 8 queued: full
+    await done(*some, *rest)
+    assert model.sizes() == [1, 8]
+    await batcher.close()
+
+
+async def test_an_expired_window_does_not_wait(model: FakeModel, records: list[BatchRecord]) -> None:
+    batcher = await started(model, records, batch_window_ms=0.0)
+    first = await hold_model(batcher, model)
+    some = [submit(batcher, m) for m in (1, 2, 3, 4)]
+    await asyncio.sleep(0)
+    model.gate.set()
+    await done(first, *some)
+    assert model.sizes() == [1, 4]
+    await batcher.close()
+
+
+# --- limits --------------------------------------------------------------------------
+async def test_max_batch_size_is_respected(batcher: Batcher, model: FakeModel) -> None:
+    first = await hold_model(batcher, model)
+    tasks = [submit(batcher, m) for m in range(1, 21)]
+    await asyncio.sleep(0)
+    model.gate.set()
+    await done(first, *tasks)
+    assert model.sizes() == [1, 8, 8, 4]
+    assert [m for call in model.calls for m in call] == list(range(21))  # FIFO without grouping
+
+
+async def test_max_batch_tokens_counts_padded_tokens(model: FakeModel, records: list[BatchRecord]) -> None:
+    batcher = await started(model, records, max_batch_tokens=40)
+    first = await hold_model(batcher, model)
+    short = [submit(batcher, m, n_tokens=10) for m in (1, 2, 3)]
+    long = submit(batcher, 4, n_tokens=20)  # 3 x 10 fits 40; adding it pads all rows to 20
+    tail = [submit(batcher, m, n_tokens=10) for m in (5, 6)]
+    await asyncio.sleep(0)
+    model.gate.set()
+    await done(first, *short, long, *tail)
+    assert model.calls[1:] == [[1, 2, 3], [4, 5], [6]]
+    assert all(r.padded_tokens <= 40 for r in records)
+    assert [(r.padded_tokens, r.real_tokens) for r in records[1:]] == [(30, 30), (40, 30), (10, 10)]
+    await batcher.close()
+
+
+async def test_a_text_over_the_token_budget_still_runs_alone(
+    model: FakeModel, records: list[BatchRecord]
+) -> None:
+    batcher = await started(model, records, max_batch_tokens=16)
+    task = submit(batcher, 1, n_tokens=100)
+    await done(task)
+    assert markers(task.result()) == [1]
+    await batcher.close()
+
+
+async def test_a_request_larger_than_a_batch_is_answered_whole_and_in_order(
+    batcher: Batcher, model: FakeModel
+) -> None:
+    first = await hold_model(batcher, model)
+    big = submit(batcher, *range(100, 119))  # 19 texts, batches of 8
+    small = submit(batcher, 5)
+    await asyncio.sleep(0)
+    model.gate.set()
+    await done(first, big, small)
+    assert markers(big.result()) == list(range(100, 119))
+    assert big.result().batch_sizes == [8, 8, 4]
+    assert markers(small.result()) == [5] and small.result().batch_sizes == [4]
+    assert big.result().vectors.shape == (19, 4)
+
+
+# --- length grouping ------------------------------------------------------------------
+async def _burst(model: FakeModel, records: list[BatchRecord], group: bool) -> tuple[Batcher, list[int]]:
+    batcher = await started(model, records, group_by_length=group, group_window=32)
+    rng = random.Random(3)
+    lengths = [rng.choice([6, 8, 60, 120]) for _ in range(40)]
+    first = await hold_model(batcher, model, marker=1000)
+    tasks = [submit(batcher, i, n_tokens=n) for i, n in enumerate(lengths)]
+    await asyncio.sleep(0)
+    model.gate.set()
+    await done(first, *tasks)
+    assert [markers(t.result()) for t in tasks] == [[i] for i in range(40)]
+    await batcher.close()
+    return batcher, lengths
+
+
+async def test_grouping_cuts_padding_on_mixed_lengths(model: FakeModel, records: list[BatchRecord]) -> None:
+    fifo, _ = await _burst(model, records, group=False)
+    grouped, _ = await _burst(FakeModel(asyncio.get_running_loop()), [], group=True)
+    assert grouped.stats.padding_ratio < fifo.stats.padding_ratio / 2
+
+
+async def test_grouping_reorders_only_within_one_window(model: FakeModel, records: list[BatchRecord]) -> None:
+    _batcher, lengths = await _burst(model, records, group=True)
+    order = [m for call in model.calls[1:] for m in call]
+    assert sorted(order) == list(range(40))
+    # group_window=32: texts 0..31 form one sorted round, all before any of 32..39.
+    assert set(order[:32]) == set(range(32))
+    first_batch = model.calls[1]
+    assert 0 in first_batch  # the round starts with the batch that holds the oldest text
+    assert len({lengths[m] for m in first_batch}) <= 2
+
+
+# --- failures -----------------------------------------------------------------------
+async def test_an_exception_reaches_every_caller_of_the_batch_and_the_next_batch_works(
+    batcher: Batcher, model: FakeModel, records: list[BatchRecord]
+) -> None:
+    first = await hold_model(batcher, model)
+    model.poison = lambda ids: True  # everything fails while this is set
+    tasks = [submit(batcher, m) for m in range(1, 9)]
+    await asyncio.sleep(0)
+    model.gate.set()
+    await asyncio.wait([first, *tasks], timeout=SHORT)
+    for task in [first, *tasks]:
+        assert isinstance(task.exception(), ValueError)
+    assert records[-1].error == "ValueError" and batcher.stats.failed_batches == 2
+    model.poison = lambda ids: False
+    again = submit(batcher, 42)
+    await done(again)
+    assert markers(again.result()) == [42]
+
+
+async def test_a_poisoned_text_fails_only_its_own_caller(batcher: Batcher, model: FakeModel) -> None:
+    first = await hold_model(batcher, model)
+    model.poison = lambda ids: any(int(row[0]) == 666 for row in ids)
+    good = [submit(batcher, m) for m in (1, 2, 3)]
+    bad = submit(batcher, 4, 666)  # one request, one good and one poisoned text
+    more = [submit(batcher, m) for m in (5, 6, 7)]
+    await asyncio.sleep(0)
+    model.gate.set()
+    await asyncio.wait([first, *good, bad, *more], timeout=SHORT)
+    assert isinstance(bad.exception(), ValueError)
+    assert [markers(t.result()) for t in good + more] == [[1], [2], [3], [5], [6], [7]]
+
+
+async def test_a_wrong_number_of_vectors_is_an_error_not_a_mixup(batcher: Batcher, model: FakeModel) -> None:
+    model.wrong_count = True
+    task = submit(batcher, 1, 2)
+    await asyncio.wait([task], timeout=SHORT)
+    assert "vectors for" in str(task.exception())
+    model.wrong_count = False
+    again = submit(batcher, 3)
+    await done(again)
+    assert markers(again.result()) == [3]
+
+
+async def test_an_observer_that_raises_does_not_stop_the_batcher(model: FakeModel) -> None:
+    def bad_observer(record: BatchRecord) -> None:
+        raise RuntimeError("observer bug")
+
+    batcher = Batcher(model, make_settings(), on_batch=bad_observer)
+    await batcher.start()
+    for marker in (1, 2):
+        task = submit(batcher, marker)
+        await done(task)
+        assert markers(task.result()) == [marker]
+    await batcher.close()
+
+
+# --- cancellation, deadlines, shutdown ----------------------------------------------
+async def test_a_cancelled_request_is_not_computed(batcher: Batcher, model: FakeModel) -> None:
+    first = await hold_model(batcher, model)
+    gone = submit(batcher, 99, 98)
+    stays = submit(batcher, 5)
+    await asyncio.sleep(0)
+    gone.cancel()  # the client went away while queued
+    model.gate.set()
+    await done(first, stays)
+    assert gone.cancelled()
+    assert all(99 not in call and 98 not in call for call in model.calls)
+    assert batcher.stats.skipped_texts == 2
+
+
+async def test_a_deadline_that_passes_in_the_queue_is_504_and_not_computed(
+    batcher: Batcher, model: FakeModel
+) -> None:
+    loop = asyncio.get_running_loop()
+    first = await hold_model(batcher, model)
+    late = submit(batcher, 77, deadline=loop.time() + 0.01)  # asyncio's clock is time.monotonic()
+    await asyncio.wait([late], timeout=SHORT)  # answered while the model is still busy
+    error = late.exception()
+    assert isinstance(error, DeadlineExceeded) and error.status == 504
+    model.gate.set()
+    await done(first)
+    assert all(77 not in call for call in model.calls)
+
+
+async def test_close_finishes_everything_queued(model: FakeModel, records: list[BatchRecord]) -> None:
+    batcher = await started(model, records)
+    first = await hold_model(batcher, model)
+    tasks = [submit(batcher, m) for m in range(1, 12)]
+    await asyncio.sleep(0)
+    closing = asyncio.create_task(batcher.close())
+    model.gate.set()
+    await done(first, *tasks, closing)
+    assert sorted(m for t in tasks for m in markers(t.result())) == list(range(1, 12))
+    with pytest.raises(Exception, match="not running"):
+        await batcher.submit([tok(1)])
+
+
+async def test_no_future_is_left_pending_under_random_load(
+    model: FakeModel, records: list[BatchRecord]
+) -> None:
+    """Random sizes, lengths, cancellations and failures: every caller gets an answer."""
+    batcher = await started(model, records, group_by_length=True, group_window=16, batch_window_ms=1.0)
+    rng = random.Random(11)
+    model.poison = lambda ids: any(int(row[0]) % 13 == 0 for row in ids)
+    tasks = []
+    for i in range(200):
+        n = rng.choice([1, 1, 1, 2, 5, 17])
+        tasks.append(submit(batcher, *[i * 100 + k + 1 for k in range(n)], n_tokens=rng.randint(3, 90)))
+        if rng.random() < 0.1:
+            tasks[rng.randrange(len(tasks))].cancel()
+        if rng.random() < 0.3:
+            await asyncio.sleep(0)
+    finished, pending = await asyncio.wait(tasks, timeout=10 * SHORT)
+    assert not pending
+    for task in finished:
+        if task.cancelled() or task.exception() is not None:
+            continue
+        vectors = task.result().vectors
+        assert all(int(v) % 13 != 0 for v in vectors[:, 0])
+        assert int(vectors[0, 0]) // 100 == tasks.index(task)
+    assert batcher.queue_depth == 0 and batcher.in_flight == 0
+    await batcher.close()
+
+
+# --- the real engine ----------------------------------------------------------------
+async def _each_caller_gets_its_own_vectors(engine: Engine) -> np.ndarray:
+    texts = corpus.texts(48, seed=21, kind="mixed")
+    tokens = engine.tokenize(texts)
+    batcher = Batcher(engine.run, make_settings(max_batch_size=16, group_by_length=True, batch_window_ms=5.0))
+    await batcher.start()
+    cuts = [0, 1, 4, 5, 20, 21, 40, 48]  # requests of 1, 3, 1, 15, 1, 19, 8 texts
+    outcomes = await asyncio.gather(*(batcher.submit(tokens[a:b]) for a, b in itertools.pairwise(cuts)))
+    await batcher.close()
+    assert batcher.stats.batches > 1
+    served = l2_normalize(np.concatenate([o.vectors for o in outcomes]))
+    alone = np.concatenate([engine.embed([t]).vectors for t in texts])
+    return np.asarray((served * alone).sum(axis=1))
+
+
+async def test_each_caller_gets_its_own_vectors_fp32(fp32_engine: Engine) -> None:
+    cosines = await _each_caller_gets_its_own_vectors(fp32_engine)
+    assert cosines.min() > 0.99999  # fp32 is batch invariant: any mix-up would show
+
+
+async def test_each_caller_gets_its_own_vectors_int8(engine: Engine) -> None:
+    cosines = await _each_caller_gets_its_own_vectors(engine)
+    assert cosines.min() > 0.97  # dynamic INT8 depends on batch mates (tests/test_engine.py)
