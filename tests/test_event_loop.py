@@ -1,0 +1,98 @@
+"""Stage 1 blocks its event loop while the model runs; stage 2 (and every later stage) does not.
+
+Over real sockets to a real uvicorn process: send one long request A (64 passages), wait
+until the server is visibly computing (its CPU time grows), then send ``GET /health`` on a
+second connection B, and watch which socket gets an answer first.
+
+* stage 1: B is never answered before A (the loop is stuck inside the model call);
+* stage 2+: B is answered while A is still computing.
+
+Only an ordering is asserted. If the client is slow to look, stage 1 may show both
+answers at once; that still means "B did not come first", so the test stays deterministic.
+"""
+
+from __future__ import annotations
+
+import random
+import select
+import socket
+import time
+from urllib.parse import urlsplit
+
+import orjson
+import psutil
+import pytest
+from conftest import SERVER_STAGES, Server
+
+from common.corpus import texts as corpus_texts
+
+BLOCKING_STAGES = {"stage1_naive"}
+BUSY_CPU_S = 0.3  # far above tokenizing the passages (~0.02 s), far below the model call (~1-4 s)
+
+
+def _send(address: tuple[str, int], request: bytes) -> socket.socket:
+    sock = socket.create_connection(address, timeout=60)
+    sock.sendall(request)
+    return sock
+
+
+def _read_status(sock: socket.socket) -> int:
+    sock.settimeout(300)
+    data = b""
+    while chunk := sock.recv(65536):  # Connection: close, so the answer ends at EOF
+        data += chunk
+    return int(data.split(b" ", 2)[1])
+
+
+def _cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+@pytest.mark.parametrize("stage", SERVER_STAGES)
+def test_health_waits_only_on_the_naive_stage(stage: str, stage_server) -> None:  # type: ignore[no-untyped-def]
+    server: Server = stage_server(stage)
+    url = urlsplit(server.url)
+    address = (str(url.hostname), int(url.port or 80))
+    # A fresh seed: no stage may answer these from a cache.
+    passages = corpus_texts(64, seed=random.randrange(1, 10**9), kind="passage")
+    body = orjson.dumps({"inputs": passages, "cache": False})
+    long_request = (
+        b"POST /v1/embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Cache-Control: no-cache\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    health_request = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+    before = _cpu_seconds(server.process.pid)
+    a = _send(address, long_request)
+    deadline = time.monotonic() + 120
+    while _cpu_seconds(server.process.pid) - before < BUSY_CPU_S:
+        ready, _, _ = select.select([a], [], [], 0.005)
+        assert not ready, "the long request finished before the server looked busy; make it longer"
+        assert time.monotonic() < deadline, "the server never started computing"
+    b = _send(address, health_request)
+
+    # Record, per select() wake-up, which sockets had an answer waiting.
+    seen: list[set[str]] = []
+    waiting = {"A": a, "B": b}
+    while waiting:
+        ready, _, _ = select.select(list(waiting.values()), [], [], 300)
+        assert ready, "no answer within 300 s"
+        names = {n for n, s in waiting.items() if s in ready}
+        seen.append(names)
+        for n in names:
+            del waiting[n]
+
+    first_b = next(i for i, names in enumerate(seen) if "B" in names)
+    first_a = next(i for i, names in enumerate(seen) if "A" in names)
+    try:
+        assert _read_status(b) == 200
+        assert _read_status(a) == 200
+    finally:
+        a.close()
+        b.close()
+    if stage in BLOCKING_STAGES:
+        assert first_a <= first_b, f"/health answered while the model ran: {seen}"
+    else:
+        assert first_b < first_a, f"/health waited for the model: {seen}"
