@@ -53,3 +53,28 @@ format: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) models site .pytest_cache .mypy_cache .ruff_cache
+
+# --- load tests and benchmarks (loadtests/, benchmarks/; docs/benchmarking.md) ---------------
+STAGE ?= 5
+PROFILE ?= unique-32
+DURATION ?= 30
+.PHONY: loadtest loadtest-headless compare bench
+
+## loadtest: Locust's web UI on http://127.0.0.1:8089 against HOST:PORT (starts stage STAGE if nothing answers)
+loadtest: setup
+	$(PY) -m loadtests.run --stage $(STAGE) $(ARGS)
+
+## loadtest-headless: one fixed profile (PROFILE, DURATION s) against stage STAGE; CSV/JSON in out/loadtest/
+loadtest-headless: setup
+	$(PY) -m loadtests.run --stage $(STAGE) --headless --profile $(PROFILE) --duration $(DURATION)
+
+## compare: every stage under the same Locust profiles, then the engine ceiling (QUICK=1: seconds per point)
+compare: setup
+	$(PY) -m loadtests.compare $(if $(QUICK),--quick) $(ARGS)
+
+## bench: pytest-benchmark microbenchmarks saved under docs/results/ (COMPARE=1: compare with the last run)
+bench: setup
+	$(PY) -m pytest benchmarks -o python_files='bench_*.py' -p no:cacheprovider \
+		--benchmark-enable --benchmark-only --benchmark-storage=file://docs/results/benchmarks \
+		--benchmark-autosave --benchmark-json=docs/results/bench.json \
+		$(if $(COMPARE),--benchmark-compare) $(ARGS)

@@ -1,0 +1,123 @@
+"""`make loadtest STAGE=N` (Locust's web UI) and `make loadtest-headless STAGE=N` (one fixed profile).
+
+    python -m loadtests.run --stage 5                  # UI on http://127.0.0.1:8089
+    python -m loadtests.run --stage 3 --headless       # unique-32 for 30 s, files in out/loadtest/
+
+If a server already answers /ready on HOST:PORT it is used as it is; otherwise stage N is started
+with the command `make stageN` runs, and stopped again when Locust exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from common.serve import resolve
+from loadtests import harness
+from loadtests.harness import PROFILES
+
+OUT = harness.REPO / "out" / "loadtest"
+
+
+@contextlib.contextmanager
+def server_for(stage: str, host: str, port: int) -> Iterator[int | None]:
+    """The pid of a stage started here, or None when something already answers on host:port."""
+    url = f"http://{host}:{port}"
+    if harness.is_up(url):
+        print(f"using the server already answering on {url}", flush=True)
+        yield None
+        return
+    print(f"starting {stage} on {url} (log: {OUT / f'{stage}-server.log'})", flush=True)
+    with harness.running_stage(stage, host, port, OUT / f"{stage}-server.log") as process:
+        yield process.pid
+
+
+def web_ui(url: str, web_host: str, web_port: int, extra: Sequence[str]) -> int:
+    command = [
+        sys.executable, "-m", "locust", "-f", str(harness.LOCUSTFILE), "--host", url,
+        "--web-host", web_host, "--web-port", str(web_port), "--class-picker", *extra,
+    ]  # fmt: skip
+    print(f"Locust web UI: http://{web_host}:{web_port}  (Ctrl-C stops Locust and the server)", flush=True)
+    locust = subprocess.Popen(command, cwd=harness.REPO)
+    try:
+        return locust.wait()
+    finally:
+        if locust.poll() is None:
+            locust.terminate()
+            locust.wait(timeout=20)
+
+
+def headless(
+    stage: str, url: str, profile_name: str, seconds: float, server_pid: int | None
+) -> dict[str, Any]:
+    profile = next((p for p in PROFILES if p.name == profile_name), None)
+    if profile is None:
+        raise SystemExit(f"unknown profile {profile_name!r}; one of {[p.name for p in PROFILES]}")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    prefix = OUT / f"{stage}-{profile.name}-{stamp}"
+    harness.warm_up(url, min(5.0, seconds / 4))
+    point = harness.run_point(stage, url, profile, seconds, prefix, seed=1, server_pid=server_pid)
+    summary = {
+        "date": stamp,
+        "url": url,
+        "machine": harness.machine(),
+        "versions": harness.versions(),
+        "git_commit": harness.git_commit(),
+        **point.as_dict(),
+    }
+    Path(f"{prefix}_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    # Locust's own *_stats.csv is a snapshot taken up to a second before the end; this row is final.
+    row = {k: v for k, v in point.as_dict().items() if not isinstance(v, dict)}
+    row.update({f"failures_{k}": v for k, v in point.failures.items()})
+    with open(f"{prefix}_summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(row))
+        writer.writeheader()
+        writer.writerow(row)
+    print(
+        f"{stage} {profile.name}: {point.rps:.1f} req/s, p50 {point.p50_ms:.0f} ms,"
+        f" p95 {point.p95_ms:.0f} ms, p99 {point.p99_ms:.0f} ms, failures {point.failures};"
+        f" Locust used {point.loadgen_cores:.2f}"
+        f" cores, the server {point.server_cores:.2f}\nfiles: {prefix}_summary.json, {prefix}_summary.csv,"
+        f" Locust's {prefix}.json and {prefix}_stats_history.csv",
+        flush=True,
+    )
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--stage", default="5", help="Stage to start when nothing answers (1-5).")
+    parser.add_argument("--headless", action="store_true", help="One fixed profile, CSV/JSON out, no UI.")
+    parser.add_argument("--profile", default="unique-32", help="Headless profile (see harness.PROFILES).")
+    parser.add_argument("--duration", type=float, default=30.0, help="Headless seconds.")
+    parser.add_argument("--web-host", default="127.0.0.1")
+    parser.add_argument("--web-port", type=int, default=8089)
+    args, extra = parser.parse_known_args(argv)  # anything else goes to Locust (UI mode)
+    stage = resolve(args.stage)
+    host, port = os.environ.get("HOST", "127.0.0.1"), int(os.environ.get("PORT", "8000"))
+    # SIGTERM (from a test, or a process manager) unwinds like Ctrl-C: Locust and the server stop.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    OUT.mkdir(parents=True, exist_ok=True)
+    with server_for(stage, host, port) as pid:
+        url = f"http://{host}:{port}"
+        if args.headless:
+            headless(stage, url, args.profile, args.duration, pid)
+        else:
+            with contextlib.suppress(KeyboardInterrupt):
+                web_ui(url, args.web_host, args.web_port, extra)
+
+
+if __name__ == "__main__":
+    main()
