@@ -1,0 +1,223 @@
+"""Stage 4's backend in-process, with the real INT8 engine and stage 3's real batcher.
+
+The model is gated (a ``threading.Event`` in front of the real ``Engine.run``) where a test
+needs the model busy, so orderings are decided by the test, not by timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from common.api import EmbedJob, create_app
+from common.engine import Engine
+from common.limits import APIError
+from common.settings import Settings
+from stage4_cache_backpressure.app import CacheBackend
+
+
+class GatedEngine:
+    """The real engine, whose model calls wait for ``gate`` (set by default) and are counted."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.gate = threading.Event()
+        self.gate.set()
+        self.calls: list[int] = []
+
+    def run(self, token_ids: Sequence[np.ndarray]) -> np.ndarray:
+        self.gate.wait(timeout=60)
+        self.calls.append(len(token_ids))
+        return self._engine.run(token_ids)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def _job(engine: Engine, texts: list[str], deadline: float | None = None, **kw: Any) -> EmbedJob:
+    return EmbedJob(texts=texts, tokens=engine.tokenize(texts), deadline=deadline, **kw)
+
+
+def _new(text: str) -> str:
+    return f"{text} ({time.time_ns()})"
+
+
+@pytest.fixture
+async def make(engine: Engine) -> AsyncIterator[Any]:
+    started: list[tuple[CacheBackend, GatedEngine]] = []
+
+    async def factory(**settings: Any) -> tuple[CacheBackend, GatedEngine]:
+        gated = GatedEngine(engine)
+        backend = CacheBackend(gated, Settings(**settings))  # type: ignore[arg-type]
+        await backend.start()
+        started.append((backend, gated))
+        return backend, gated
+
+    yield factory
+    for backend, gated in started:
+        gated.gate.set()
+        await backend.close()
+
+
+async def _until(predicate: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+def _expected(engine: Engine, texts: list[str]) -> np.ndarray:
+    return engine.embed(texts).vectors
+
+
+# --- the cache in front of the batcher -----------------------------------------------
+async def test_second_request_is_a_memory_hit_and_matches_the_model(make: Any, engine: Engine) -> None:
+    backend, gated = await make()
+    texts = [_new("the cat sat on the mat"), _new("a dog barks")]
+    first = await backend.embed(_job(engine, texts))
+    second = await backend.embed(_job(engine, texts))
+    partial = await backend.embed(_job(engine, [texts[0], _new("fresh text")]))
+    assert first.headers["x-cache"] == "miss" and second.headers["x-cache"] == "hit"
+    assert partial.headers["x-cache"] == "partial"
+    assert (partial.headers["x-cache-hits"], partial.headers["x-cache-misses"]) == ("1", "1")
+    assert np.allclose(second.vectors, _expected(engine, texts), atol=1e-5)
+    assert np.array_equal(first.vectors, second.vectors)
+    assert sum(gated.calls) == 3  # two texts, then one fresh text; the hits never reached the model
+
+
+async def test_normalize_flag_is_part_of_the_key(make: Any, engine: Engine) -> None:
+    backend, _ = await make()
+    text = [_new("normalize me")]
+    unit = await backend.embed(_job(engine, text))
+    raw = await backend.embed(_job(engine, text, normalize=False))
+    assert raw.headers["x-cache"] == "miss"
+    assert np.isclose(np.linalg.norm(unit.vectors[0]), 1.0) and not np.isclose(
+        np.linalg.norm(raw.vectors[0]), 1.0
+    )
+
+
+async def test_opt_out_skips_the_cache_but_refreshes_it(make: Any, engine: Engine) -> None:
+    backend, gated = await make()
+    text = [_new("opt out")]
+    await backend.embed(_job(engine, text))
+    bypass = await backend.embed(_job(engine, text, use_cache=False))
+    assert bypass.headers["x-cache"] == "bypass" and sum(gated.calls) == 2
+    assert backend.stats.bypassed == 1
+
+
+# --- single-flight ------------------------------------------------------------------
+async def test_fifty_concurrent_requests_for_one_new_text_run_the_model_once(
+    make: Any, engine: Engine
+) -> None:
+    backend, gated = await make()
+    gated.gate.clear()  # hold the first computation until all 50 have arrived
+    text = [_new("one popular new text")]
+    tasks = [asyncio.ensure_future(backend.embed(_job(engine, text))) for _ in range(50)]
+    await _until(lambda: backend.stats.active == 50)
+    gated.gate.set()
+    results = await asyncio.gather(*tasks)
+    assert gated.calls == [1]  # one model call, one text
+    assert backend.stats.deduplicated == 49
+    for result in results:
+        assert np.array_equal(result.vectors, results[0].vectors)
+    assert np.allclose(results[0].vectors, _expected(engine, text), atol=1e-5)
+
+
+async def test_duplicates_inside_one_request_are_computed_once(make: Any, engine: Engine) -> None:
+    backend, gated = await make()
+    a, b = _new("alpha"), _new("beta")
+    result = await backend.embed(_job(engine, [a, b, a, a]))
+    assert gated.calls == [2]
+    assert np.array_equal(result.vectors[0], result.vectors[2]) and np.array_equal(
+        result.vectors[0], result.vectors[3]
+    )
+
+
+async def test_follower_outlives_a_leader_whose_deadline_passed(make: Any, engine: Engine) -> None:
+    backend, gated = await make()
+    gated.gate.clear()
+    blocker = asyncio.ensure_future(backend.embed(_job(engine, [_new("blocker")])))
+    await _until(lambda: backend.batcher.in_flight == 1)  # the model is busy (held by the gate)
+    text = [_new("shared text")]
+    leader = asyncio.ensure_future(backend.embed(_job(engine, text, deadline=time.monotonic() + 0.05)))
+    follower = asyncio.ensure_future(backend.embed(_job(engine, text, deadline=time.monotonic() + 60)))
+    with pytest.raises(APIError) as err:
+        await leader
+    assert err.value.status == 504
+    gated.gate.set()
+    await blocker
+    result = await follower  # retried as its own leader after the first one gave up
+    assert np.allclose(result.vectors, _expected(engine, text), atol=1e-5)
+    assert backend.stats.deadline_exceeded == 1
+
+
+# --- the bounded queue ----------------------------------------------------------------
+@pytest.mark.parametrize("status", [503, 429])
+async def test_full_queue_answers_at_once_with_retry_after(make: Any, engine: Engine, status: int) -> None:
+    backend, gated = await make(max_queue=3, overload_status=status)
+    gated.gate.clear()
+    running = asyncio.ensure_future(backend.embed(_job(engine, [_new("running")])))
+    await _until(lambda: backend.batcher.in_flight == 1)
+    queued = asyncio.ensure_future(backend.embed(_job(engine, [_new("q1"), _new("q2"), _new("q3")])))
+    await _until(lambda: backend.batcher.queue_depth == 3)
+    started = time.perf_counter()
+    with pytest.raises(APIError) as err:
+        await backend.embed(_job(engine, [_new("one too many")]))
+    assert time.perf_counter() - started < 1.0  # refused without waiting for the model
+    assert err.value.status == status and int(err.value.headers["Retry-After"]) >= 1
+    assert "MAX_QUEUE=3" in err.value.message
+    assert backend.stats.rejected == 1
+    gated.gate.set()
+    await asyncio.gather(running, queued)
+    assert sum(gated.calls) == 4  # the refused text never reached the model
+
+
+async def test_deadline_passing_in_the_queue_is_504_before_the_model(make: Any, engine: Engine) -> None:
+    backend, gated = await make()
+    gated.gate.clear()
+    running = asyncio.ensure_future(backend.embed(_job(engine, [_new("running")])))
+    await _until(lambda: backend.batcher.in_flight == 1)
+    with pytest.raises(APIError) as err:
+        await backend.embed(_job(engine, [_new("late")], deadline=time.monotonic() + 0.05))
+    assert err.value.status == 504
+    gated.gate.set()
+    await running
+    await backend.embed(_job(engine, [_new("after")]))
+    assert gated.calls == [1, 1]  # "late" was dropped before the model
+    assert backend.stats.deadline_exceeded == 1
+
+
+async def test_expired_deadline_is_504_without_queueing(make: Any, engine: Engine) -> None:
+    backend, gated = await make()
+    with pytest.raises(APIError) as err:
+        await backend.embed(_job(engine, [_new("too late")], deadline=time.monotonic() - 1))
+    assert err.value.status == 504 and gated.calls == []
+
+
+# --- drain: readiness -------------------------------------------------------------------
+async def test_drain_turns_readiness_503_and_refuses_new_work(engine: Engine) -> None:
+    backends: list[CacheBackend] = []
+
+    def make_backend(eng: Engine, settings: Settings) -> CacheBackend:
+        backend = CacheBackend(eng, settings, on_drain=lambda: setattr(app.state, "ready", False))
+        backends.append(backend)
+        return backend
+
+    app = create_app("stage4-drain-test", make_backend, settings=Settings())
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            assert (await client.get("/ready")).status_code == 200
+            backends[0].begin_drain()
+            ready = await client.get("/ready")
+            embed = await client.post("/v1/embed", json={"inputs": "hello"})
+    assert ready.status_code == 503 and embed.status_code == 503
+    assert embed.json()["error"]["type"] == "overloaded_error"
+    assert backends[0].draining

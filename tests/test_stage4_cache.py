@@ -1,0 +1,224 @@
+"""Stage 4 cache tiers: the key, the in-process LRU, and the Redis tier against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from common.settings import Settings
+from stage4_cache_backpressure.cache import (
+    ENTRY_OVERHEAD_BYTES,
+    Cache,
+    CacheStats,
+    MemoryCache,
+    RedisCache,
+    cache_key,
+)
+
+DIM = 384
+VALUE_BYTES = DIM * 4
+
+
+def _vec(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(DIM).astype(np.float32)
+
+
+def _unique(prefix: str) -> str:
+    return f"{prefix} {time.time_ns()}"
+
+
+# --- the key -------------------------------------------------------------------
+def test_key_pins_model_file_flag_and_exact_text() -> None:
+    base = cache_key("all-MiniLM-L6-v2", "a" * 64, True, "Hello world")
+    assert base == cache_key("all-MiniLM-L6-v2", "a" * 64, True, "Hello world")
+    others = {
+        cache_key("other-model", "a" * 64, True, "Hello world"),
+        cache_key("all-MiniLM-L6-v2", "b" * 64, True, "Hello world"),  # re-quantized file
+        cache_key("all-MiniLM-L6-v2", "a" * 64, False, "Hello world"),
+        cache_key("all-MiniLM-L6-v2", "a" * 64, True, "hello world"),
+        cache_key("all-MiniLM-L6-v2", "a" * 64, True, "Hello world "),
+    }
+    assert base not in others and len(others) == 5
+    assert base.startswith("emb:v1:") and len(base) == len("emb:v1:") + 64
+
+
+# --- the memory tier -------------------------------------------------------------
+def test_lru_bound_in_items_evicts_least_recently_used() -> None:
+    stats = CacheStats()
+    lru = MemoryCache(max_items=3, max_bytes=10**9, ttl_s=60, stats=stats)
+    for key in "abc":
+        lru.put(key, b"x" * 8)
+    assert lru.get("a") == b"x" * 8  # "a" is now the most recent; "b" is the oldest
+    lru.put("d", b"y" * 8)
+    assert lru.get("b") is None
+    assert [lru.get(k) is not None for k in "acd"] == [True, True, True]
+    assert len(lru) == 3 and stats.evictions == 1
+
+
+def test_lru_bound_in_bytes() -> None:
+    stats = CacheStats()
+    entry = len("k0") + VALUE_BYTES + ENTRY_OVERHEAD_BYTES
+    lru = MemoryCache(max_items=1000, max_bytes=3 * entry, ttl_s=60, stats=stats)
+    for i in range(5):
+        lru.put(f"k{i}", _vec(i).tobytes())
+    assert len(lru) == 3 and lru.bytes <= 3 * entry
+    assert lru.get("k0") is None and lru.get("k4") is not None
+    assert stats.evictions == 2
+
+
+def test_lru_ttl_expires_entries() -> None:
+    now = [1000.0]
+    stats = CacheStats()
+    lru = MemoryCache(max_items=10, max_bytes=10**6, ttl_s=5, stats=stats, clock=lambda: now[0])
+    lru.put("a", b"1")
+    now[0] += 4.9
+    assert lru.get("a") == b"1"
+    now[0] += 0.2
+    assert lru.get("a") is None
+    assert stats.expirations == 1 and len(lru) == 0 and lru.bytes == 0
+
+
+def test_lru_zero_items_disables_the_memory_tier() -> None:
+    lru = MemoryCache(max_items=0, max_bytes=10**6, ttl_s=5, stats=CacheStats())
+    lru.put("a", b"1")
+    assert not lru.enabled and lru.get("a") is None
+
+
+# --- the Redis tier (real Redis) ---------------------------------------------------
+async def test_redis_roundtrip_with_ttl_and_mget(redis_url: str) -> None:
+    stats = CacheStats()
+    tier = RedisCache(redis_url, ttl_s=120, timeout_ms=500, value_bytes=VALUE_BYTES, stats=stats)
+    await tier.start()
+    try:
+        keys = [_unique(f"test-roundtrip-{i}") for i in range(3)]
+        await tier.put_many({keys[0]: _vec(0).tobytes(), keys[1]: _vec(1).tobytes()})
+        got = await tier.get_many(keys)
+        assert got[0] == _vec(0).tobytes() and got[1] == _vec(1).tobytes() and got[2] is None
+        assert stats.hits["redis"] == 2 and stats.misses["redis"] == 1 and stats.writes["redis"] == 2
+        ttl = redis.Redis.from_url(redis_url).ttl(keys[0])
+        assert 0 < ttl <= 120
+    finally:
+        await tier.close()
+
+
+async def test_redis_one_pool_reuses_connections(private_redis) -> None:  # type: ignore[no-untyped-def]
+    """100 commands from 20 concurrent tasks: a handful of connections, not 100."""
+    tier = RedisCache(
+        private_redis.url, ttl_s=60, timeout_ms=1000, value_bytes=VALUE_BYTES, stats=CacheStats()
+    )
+    probe = redis.Redis.from_url(private_redis.url)
+    before = probe.info("stats")["total_connections_received"]
+    await tier.start()
+    try:
+
+        async def five(i: int) -> None:
+            for j in range(5):
+                await tier.get_many([f"k{i}-{j}"])
+
+        await asyncio.gather(*(five(i) for i in range(20)))
+        opened = probe.info("stats")["total_connections_received"] - before
+        assert opened <= 20  # at most one per concurrent task, reused for all 100 commands
+    finally:
+        await tier.close()
+
+
+async def test_redis_garbage_is_a_counted_miss(redis_url: str) -> None:
+    stats = CacheStats()
+    tier = RedisCache(redis_url, ttl_s=60, timeout_ms=500, value_bytes=VALUE_BYTES, stats=stats)
+    key = _unique("test-garbage")
+    redis.Redis.from_url(redis_url).set(key, b"not a vector", ex=60)
+    await tier.start()
+    try:
+        assert await tier.get_many([key]) == [None]
+        assert stats.errors["garbage"] == 1
+        await tier.put_many({key: _vec(3).tobytes()})  # the recomputed value overwrites it
+        assert await tier.get_many([key]) == [_vec(3).tobytes()]
+    finally:
+        await tier.close()
+
+
+async def test_redis_down_fails_open_logs_once_and_recovers(private_redis, caplog) -> None:  # type: ignore[no-untyped-def]
+    stats = CacheStats()
+    tier = RedisCache(
+        private_redis.url, ttl_s=60, timeout_ms=200, value_bytes=VALUE_BYTES, stats=stats, backoff_s=0.0
+    )
+    await tier.start()
+    try:
+        await tier.put_many({"k": _vec(1).tobytes()})
+        private_redis.stop()
+        caplog.set_level(logging.WARNING, logger="embedserve.cache")
+        for _ in range(20):
+            assert await tier.get_many(["k"]) == [None]
+            await tier.put_many({"k": _vec(1).tobytes()})
+        assert stats.errors["connection"] == 40
+        failing = [r for r in caplog.records if "answering from the model" in r.getMessage()]
+        assert len(failing) == 1  # 40 failures, one log line
+        private_redis.start()  # same port, empty (no persistence)
+        assert await tier.get_many(["k"]) == [None]  # reconnects by itself: a plain miss now
+        await tier.put_many({"k": _vec(1).tobytes()})
+        assert await tier.get_many(["k"]) == [_vec(1).tobytes()]
+        assert any("answering again" in r.getMessage() for r in caplog.records)
+    finally:
+        await tier.close()
+
+
+async def test_redis_slow_times_out_then_backs_off(private_redis) -> None:  # type: ignore[no-untyped-def]
+    stats = CacheStats()
+    tier = RedisCache(
+        private_redis.url, ttl_s=60, timeout_ms=50, value_bytes=VALUE_BYTES, stats=stats, backoff_s=0.5
+    )
+    await tier.start()
+    try:
+        await tier.put_many({"k": _vec(2).tobytes()})
+        private_redis.pause()  # SIGSTOP: the socket is open, nothing answers
+        started = time.perf_counter()
+        assert await tier.get_many(["k"]) == [None]
+        first = time.perf_counter() - started
+        assert await tier.get_many(["k"]) == [None]  # backing off: not even tried
+        assert stats.errors["timeout"] == 1 and stats.skipped == 1
+        assert first < 2.0  # bounded by CACHE_TIMEOUT_MS, not by Redis
+        private_redis.resume()
+        deadline = time.monotonic() + 10
+        while await tier.get_many(["k"]) != [_vec(2).tobytes()]:
+            assert time.monotonic() < deadline, "the Redis tier did not recover"
+            await asyncio.sleep(0.1)
+    finally:
+        await tier.close()
+
+
+# --- the two tiers together ----------------------------------------------------------
+async def test_two_tiers_promote_redis_hits_into_memory(redis_url: str) -> None:
+    settings = Settings(cache_url=redis_url)
+    writer, reader = Cache(settings, DIM), Cache(settings, DIM)  # two replicas
+    await writer.start()
+    await reader.start()
+    try:
+        key = _unique("test-tiers")
+        await writer.put([key], _vec(7)[None, :])
+        assert writer.get_local([key])[0] is not None
+        assert reader.get_local([key]) == [None]
+        remote = await reader.get_remote([key])
+        assert remote[0] is not None and np.array_equal(remote[0], _vec(7))
+        local = reader.get_local([key])[0]
+        assert local is not None and np.array_equal(local, _vec(7))  # promoted: no round trip next time
+        assert reader.stats.hits["redis"] == 1 and reader.stats.hits["memory"] == 1
+    finally:
+        await writer.close()
+        await reader.close()
+
+
+@pytest.mark.parametrize("enabled", [False])
+async def test_cache_disabled_stores_nothing(redis_url: str, enabled: bool) -> None:
+    cache = Cache(Settings(cache_url=redis_url, cache_enabled=enabled), DIM)
+    await cache.start()
+    try:
+        assert cache.redis is None
+        await cache.put(["k"], _vec(1)[None, :])
+        assert cache.get_local(["k"]) == [None] and len(cache.memory) == 0
+    finally:
+        await cache.close()
