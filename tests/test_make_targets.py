@@ -1,0 +1,108 @@
+"""``make stageN`` is the front door: each server stage starts from the Makefile's own command line.
+
+The test runs ``make stageN PORT=<free port>`` itself (so a broken recipe, a wrong module
+name or a missing print fails here), in its own process group, and kills the group after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import REPO, SERVER_STAGES, free_port
+
+from common.settings import Settings
+
+
+def make_target(stage: str) -> str:
+    return stage.split("_", 1)[0]  # stage3_batching -> stage3
+
+
+def _lines(process: subprocess.Popen[str], out: queue.Queue[str]) -> None:
+    assert process.stdout is not None
+    for line in process.stdout:
+        out.put(line)
+
+
+@pytest.fixture
+def make_stage(request: pytest.FixtureRequest) -> Iterator[tuple[subprocess.Popen[str], queue.Queue[str]]]:
+    """Start ``make <target> PORT=<port>`` and stop its whole process group afterwards."""
+    processes: list[subprocess.Popen[str]] = []
+    lines: queue.Queue[str] = queue.Queue()
+
+    def start(target: str, port: int) -> subprocess.Popen[str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("HOST", "PORT", "MAKEFLAGS", "MFLAGS")}
+        process = subprocess.Popen(
+            ["make", "--no-print-directory", target, f"PORT={port}"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own process group: make, python, uvicorn
+        )
+        threading.Thread(target=_lines, args=(process, lines), daemon=True).start()
+        processes.append(process)
+        return process
+
+    yield start, lines  # type: ignore[misc]
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def test_makefile_defaults_match_the_settings() -> None:
+    """`make stageN` listens on 127.0.0.1:8000 unless HOST/PORT say otherwise."""
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^HOST \?= 127\.0\.0\.1$", makefile, re.M)
+    assert re.search(r"^PORT \?= 8000$", makefile, re.M)
+    assert re.search(r"^export HOST PORT$", makefile, re.M)
+    defaults = Settings.model_fields
+    assert defaults["host"].default == "127.0.0.1" and defaults["port"].default == 8000
+
+
+@pytest.mark.timeout(900)  # a first `make` may have to run setup
+@pytest.mark.parametrize("stage", SERVER_STAGES)
+def test_make_stage_starts_prints_where_it_listens_and_serves(stage: str, make_stage) -> None:  # type: ignore[no-untyped-def]
+    start, lines = make_stage
+    port = free_port()
+    process = start(make_target(stage), port)
+    url = f"http://127.0.0.1:{port}"
+
+    output: list[str] = []
+    deadline = time.monotonic() + 600
+    while not any(f"listening on {url}" in line for line in output):
+        assert process.poll() is None, "".join(output)
+        assert time.monotonic() < deadline, "".join(output)
+        with contextlib.suppress(queue.Empty):
+            output.append(lines.get(timeout=1))
+    announced = next(line for line in output if "listening on" in line)
+    assert stage in announced
+
+    while True:
+        assert process.poll() is None, "".join(output)
+        assert time.monotonic() < deadline, "not ready in time"
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+    r = httpx.post(f"{url}/v1/embed", json={"inputs": ["make is the front door"]}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["embeddings"][0]) == 384
