@@ -46,9 +46,12 @@ def check_answer(response: httpx.Response, case: Case, engine: Engine) -> None:
     got = np.asarray(got, dtype=np.float32)
     want = engine.embed(list(case.texts)).vectors
     assert got.shape == want.shape
-    # INT8 dynamic quantization scales per batch, so a batched answer differs in the last digits.
-    cosine = (got * want).sum(axis=1)
-    assert cosine.min() > 0.999, f"{case.name}: vectors differ from the engine's (cosine {cosine.min():.5f})"
+    # Dynamic INT8 rescales activations per batch, so a batched text moves a little (never
+    # below 0.97, tests/test_engine.py); it must still be nearest its own text's vector.
+    cosines = got @ want.T
+    own = np.diag(cosines)
+    assert own.min() >= 0.97, f"{case.name}: vectors differ from the engine's (cosine {own.min():.4f})"
+    assert (own >= cosines.max(axis=1) - 0.01).all(), f"{case.name}: a vector is nearer another text's"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
