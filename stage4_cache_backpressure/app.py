@@ -260,6 +260,16 @@ async def _client_gone(request: Request) -> None:
             return
 
 
+def _log_to_stderr(level: str) -> None:
+    """Show this stage's drain and cache messages (stage 5 replaces this with structured logs)."""
+    root = logging.getLogger("embedserve")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(level)
+
+
 def _chain_signal_handlers(on_signal: Callable[[], None]) -> None:
     """Run ``on_signal`` first on SIGTERM/SIGINT, then uvicorn's own handler (which starts its shutdown)."""
     if threading.current_thread() is not threading.main_thread():
@@ -276,6 +286,8 @@ def _chain_signal_handlers(on_signal: Callable[[], None]) -> None:
 
 
 def make_backend(engine: Engine, settings: Settings) -> CacheBackend:
+    _log_to_stderr(settings.log_level)
+
     def stop_ready() -> None:
         app.state.ready = False  # /ready answers 503, new requests get 503
 

@@ -1,0 +1,264 @@
+"""Stage 4 over real sockets: real uvicorn processes, the real model, a real Redis.
+
+Orderings and counts are asserted, not time budgets; the one exception is "no hang", which
+is an upper bound of minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from common import corpus
+from common.engine import Engine
+
+STAGE = "stage4_cache_backpressure"
+pytestmark = pytest.mark.timeout(300)
+
+
+def _new(n: int, kind: str = "sentence") -> list[str]:
+    return corpus.texts(n, seed=time.time_ns() % 2**31, kind=kind)
+
+
+def _agree(engine: Engine, texts: list[str], got: Any) -> None:
+    """Dynamic INT8 depends a little on batch mates, so compare by cosine (as tests/test_batcher.py)."""
+    want = engine.embed(texts).vectors
+    cosine = (np.asarray(got, dtype=np.float32) * want).sum(axis=1)
+    assert cosine.min() > 0.97, cosine
+
+
+def _metrics(url: str, route: str = "/v1/cache/metrics") -> dict[str, Any]:
+    return dict(httpx.get(url + route, timeout=10).json())
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def _embed(url: str, inputs: Any, headers: dict[str, str] | None = None, **body: Any) -> httpx.Response:
+    return httpx.post(f"{url}/v1/embed", json={"inputs": inputs, **body}, headers=headers, timeout=120)
+
+
+# --- the cache, seen from a client ----------------------------------------------------
+def test_x_cache_header_and_both_opt_outs(stage_server: Any, engine: Engine) -> None:
+    url = stage_server(STAGE).url
+    a, b, c = _new(3)
+    first = _embed(url, [a, b])
+    assert (first.headers["x-cache"], first.headers["x-cache-misses"]) == ("miss", "2")
+    partial = _embed(url, [a, c])
+    assert partial.headers["x-cache"] == "partial"
+    assert (partial.headers["x-cache-hits"], partial.headers["x-cache-misses"]) == ("1", "1")
+    hit = _embed(url, [a, c])
+    assert hit.headers["x-cache"] == "hit" and "x-inference-time" not in hit.headers
+    assert hit.json()["embeddings"][0] == first.json()["embeddings"][0]
+    _agree(engine, [a, c], hit.json()["embeddings"])
+    assert _embed(url, [a], cache=False).headers["x-cache"] == "bypass"
+    assert _embed(url, [a], headers={"Cache-Control": "no-cache"}).headers["x-cache"] == "bypass"
+    openai = httpx.post(f"{url}/v1/embeddings", json={"input": [a]}, timeout=60)
+    assert openai.status_code == 200 and openai.headers["x-cache"] == "hit"
+
+
+def test_fifty_concurrent_requests_for_one_new_text_run_the_model_once(
+    stage_server: Any, engine: Engine
+) -> None:
+    url = stage_server(STAGE).url
+    (text,) = _new(1)
+    before = _metrics(url, "/v1/batcher/metrics")["texts"]
+
+    async def fire() -> list[httpx.Response]:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=50), timeout=120) as client:
+            return await asyncio.gather(
+                *(client.post(f"{url}/v1/embed", json={"inputs": text}) for _ in range(50))
+            )
+
+    responses = asyncio.run(fire())
+    assert [r.status_code for r in responses] == [200] * 50
+    assert _metrics(url, "/v1/batcher/metrics")["texts"] - before == 1
+    vectors = {orjson.dumps(r.json()["embeddings"]) for r in responses}
+    assert len(vectors) == 1
+    _agree(engine, [text], responses[0].json()["embeddings"])
+
+
+# --- deadlines and disconnects ----------------------------------------------------------
+class _Blocker:
+    """A request of long passages that keeps the model busy for a while (cache bypassed)."""
+
+    def __init__(self, url: str, n: int = 16) -> None:
+        self.url, self.texts = url, _new(n, kind="passage")
+        self.before = _metrics(url, "/v1/batcher/metrics")["texts"]
+        self.result: list[httpx.Response] = []
+
+    def __enter__(self) -> _Blocker:
+        import threading
+
+        self.thread = threading.Thread(
+            target=lambda: self.result.append(_embed(self.url, self.texts, cache=False))
+        )
+        self.thread.start()
+        _wait(lambda: _metrics(self.url, "/v1/batcher/metrics")["in_flight"] == 1)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.thread.join(timeout=240)
+        assert self.result and self.result[0].status_code == 200
+
+    def texts_run_since(self) -> int:
+        return int(_metrics(self.url, "/v1/batcher/metrics")["texts"]) - int(self.before)
+
+
+def test_deadline_passing_in_the_queue_is_504_and_never_reaches_the_model(stage_server: Any) -> None:
+    url = stage_server(STAGE).url
+    before = _metrics(url)["deadline_exceeded"]
+    with _Blocker(url) as blocker:
+        late = _embed(url, _new(1), headers={"X-Request-Timeout": "0.05"})
+    assert late.status_code == 504
+    assert late.json()["error"]["type"] == "timeout_error"
+    assert blocker.texts_run_since() == len(blocker.texts)  # the late text was dropped before the model
+    assert _metrics(url)["deadline_exceeded"] == before + 1
+
+
+def test_client_that_disconnects_is_dropped_before_inference(stage_server: Any) -> None:
+    url = stage_server(STAGE).url
+    before = _metrics(url)["disconnects"]
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    body = orjson.dumps({"inputs": _new(1)})
+    with _Blocker(url) as blocker:
+        sock = socket.create_connection((host, port))
+        sock.sendall(
+            b"POST /v1/embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        _wait(lambda: _metrics(url)["queue_depth"] == 1)  # queued behind the blocker
+        sock.close()
+        _wait(lambda: _metrics(url)["disconnects"] == before + 1)
+    assert blocker.texts_run_since() == len(blocker.texts)
+    assert _embed(url, ["still fine"]).status_code == 200
+
+
+# --- overload ---------------------------------------------------------------------------
+def test_overload_fast_503s_correct_200s_no_500_and_healthy_after(
+    server_factory: Any, engine: Engine
+) -> None:
+    """The seed's experiment: queue capped at 5, 300 requests at concurrency 200."""
+    texts = _new(300)
+    with server_factory(STAGE, {"MAX_QUEUE": "5"}) as server:
+        url = server.url
+
+        async def fire() -> list[tuple[int, float, httpx.Response]]:
+            gate = asyncio.Semaphore(200)
+            limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+            async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+
+                async def one(text: str) -> tuple[int, float, httpx.Response]:
+                    async with gate:
+                        started = time.perf_counter()
+                        response = await client.post(f"{url}/v1/embed", json={"inputs": [text]})
+                        return response.status_code, time.perf_counter() - started, response
+
+                return await asyncio.wait_for(asyncio.gather(*(one(t) for t in texts)), timeout=240)
+
+        results = asyncio.run(fire())
+        statuses = [s for s, _, _ in results]
+        assert set(statuses) <= {200, 503}, sorted(set(statuses))
+        ok = [(t, r) for t, (s, _, r) in zip(texts, results, strict=True) if s == 200]
+        refused = [(lat, r) for s, lat, r in results if s == 503]
+        assert len(refused) > len(ok) > 0  # most are refused, and the queue still serves
+        for _, response in refused:
+            assert int(response.headers["Retry-After"]) >= 1
+            assert response.json()["error"]["type"] == "overloaded_error"
+        _agree(engine, [t for t, _ in ok], [r.json()["embeddings"][0] for _, r in ok])
+        served_latency = np.median([lat for s, lat, _ in results if s == 200])
+        assert np.median([lat for lat, _ in refused]) < served_latency  # a 503 is a fast answer
+        assert server.process.poll() is None
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        assert _embed(url, _new(1)).status_code == 200
+        assert _metrics(url)["rejected"] == len(refused)
+
+
+# --- Redis: shared hits, failure, recovery ------------------------------------------------
+def test_two_servers_share_hits_through_one_redis(server_factory: Any, redis_url: str) -> None:
+    env = {"CACHE_URL": redis_url}
+    with server_factory(STAGE, env) as one, server_factory(STAGE, env) as two:
+        texts = _new(2)
+        first = _embed(one.url, texts)
+        second = _embed(two.url, texts)
+        assert first.headers["x-cache"] == "miss" and second.headers["x-cache"] == "hit"
+        assert second.json()["embeddings"] == first.json()["embeddings"]
+        assert _metrics(two.url)["cache"]["hits"]["redis"] == 2
+
+
+def test_redis_stopped_mid_load_fails_open_and_recovers(
+    server_factory: Any, private_redis: Any, engine: Engine
+) -> None:
+    env = {"CACHE_URL": private_redis.url, "CACHE_MAX_ITEMS": "0"}  # every lookup goes to Redis
+    pool = _new(8)
+    rng = np.random.default_rng(0)
+    with server_factory(STAGE, env) as server:
+        for step in range(60):
+            if step == 20:
+                private_redis.stop()
+            if step == 40:
+                private_redis.start()  # same port, empty
+            text = pool[int(rng.integers(len(pool)))]
+            response = _embed(server.url, [text])
+            assert response.status_code == 200, response.text
+            _agree(engine, [text], response.json()["embeddings"])
+        metrics = _metrics(server.url)
+        assert metrics["cache"]["errors"].get("connection", 0) >= 1
+        (probe,) = _new(1)
+        _embed(server.url, [probe])
+
+        def hit_again() -> bool:
+            return _embed(server.url, [probe]).headers["x-cache"] == "hit"
+
+        _wait(hit_again, timeout=20)  # Redis serves hits again without a restart of the server
+        log = server.log()
+        assert 1 <= log.count("answering from the model") <= 3  # rate limited, not one per request
+
+
+# --- graceful drain --------------------------------------------------------------------------
+def test_sigterm_finishes_every_admitted_request_and_closes_the_pool(
+    server_factory: Any, redis_url: str, engine: Engine
+) -> None:
+    drain_timeout = 20
+    env = {"CACHE_URL": redis_url, "DRAIN_TIMEOUT_S": str(drain_timeout)}
+    batches = [_new(4, kind="passage") for _ in range(8)]
+    with server_factory(STAGE, env) as server:
+        url = server.url
+
+        async def during() -> tuple[list[httpx.Response], float]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                tasks = [
+                    asyncio.ensure_future(client.post(f"{url}/v1/embed", json={"inputs": b})) for b in batches
+                ]
+                while _metrics(url)["active"] < len(batches):
+                    await asyncio.sleep(0.01)
+                server.process.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+                responses = await asyncio.gather(*tasks)
+                return responses, signalled
+
+        responses, signalled = asyncio.run(during())
+        assert [r.status_code for r in responses] == [200] * len(batches)
+        for texts, response in zip(batches, responses, strict=True):
+            _agree(engine, texts, response.json()["embeddings"])
+        server.process.wait(timeout=drain_timeout + 10)
+        assert time.monotonic() - signalled < drain_timeout
+        assert server.process.returncode in (0, -signal.SIGTERM)
+        log = server.log()
+        assert "draining" in log and "redis cache pool closed" in log
+        assert log.index("draining") < log.index("redis cache pool closed")
