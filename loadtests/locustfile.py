@@ -106,6 +106,8 @@ class _EmbedUser(FastHttpUser):
         self.n_texts = opts.texts_per_request
         self.headers = {"X-Request-Timeout": str(opts.request_timeout)} if opts.request_timeout > 0 else {}
         self.openai = opts.endpoint == "/v1/embeddings"
+        # One row per user class in Locust's tables, so mixed classes in the web UI stay apart.
+        self.request_name = f"{opts.endpoint} {type(self).__name__}"
 
     def next_text(self) -> str:
         return next(self.texts)
@@ -122,7 +124,7 @@ class _EmbedUser(FastHttpUser):
             data=json.dumps(body),
             headers={**self.headers, "Content-Type": "application/json"},
             catch_response=True,
-            name=path,
+            name=self.request_name,
         ) as resp:
             if resp.status_code != 200:
                 # One failure entry per status: compare.py counts 503s apart from the rest.

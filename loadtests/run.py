@@ -26,19 +26,19 @@ from common.serve import resolve
 from loadtests import harness
 from loadtests.harness import PROFILES
 
-OUT = harness.REPO / "out" / "loadtest"
+OUT = harness.REPO / "out" / "loadtest"  # git-ignored
 
 
 @contextlib.contextmanager
-def server_for(stage: str, host: str, port: int) -> Iterator[int | None]:
+def server_for(stage: str, host: str, port: int, out: Path) -> Iterator[int | None]:
     """The pid of a stage started here, or None when something already answers on host:port."""
     url = f"http://{host}:{port}"
     if harness.is_up(url):
         print(f"using the server already answering on {url}", flush=True)
         yield None
         return
-    print(f"starting {stage} on {url} (log: {OUT / f'{stage}-server.log'})", flush=True)
-    with harness.running_stage(stage, host, port, OUT / f"{stage}-server.log") as process:
+    print(f"starting {stage} on {url} (log: {out / f'{stage}-server.log'})", flush=True)
+    with harness.running_stage(stage, host, port, out / f"{stage}-server.log") as process:
         yield process.pid
 
 
@@ -58,13 +58,13 @@ def web_ui(url: str, web_host: str, web_port: int, extra: Sequence[str]) -> int:
 
 
 def headless(
-    stage: str, url: str, profile_name: str, seconds: float, server_pid: int | None
+    stage: str, url: str, profile_name: str, seconds: float, server_pid: int | None, out: Path
 ) -> dict[str, Any]:
     profile = next((p for p in PROFILES if p.name == profile_name), None)
     if profile is None:
         raise SystemExit(f"unknown profile {profile_name!r}; one of {[p.name for p in PROFILES]}")
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    prefix = OUT / f"{stage}-{profile.name}-{stamp}"
+    prefix = out / f"{stage}-{profile.name}-{stamp}"
     harness.warm_up(url, min(5.0, seconds / 4))
     point = harness.run_point(stage, url, profile, seconds, prefix, seed=1, server_pid=server_pid)
     summary = {
@@ -102,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--headless", action="store_true", help="One fixed profile, CSV/JSON out, no UI.")
     parser.add_argument("--profile", default="unique-32", help="Headless profile (see harness.PROFILES).")
     parser.add_argument("--duration", type=float, default=30.0, help="Headless seconds.")
+    parser.add_argument("--out", type=Path, default=OUT, help="Folder for results and the server log.")
     parser.add_argument("--web-host", default="127.0.0.1")
     parser.add_argument("--web-port", type=int, default=8089)
     args, extra = parser.parse_known_args(argv)  # anything else goes to Locust (UI mode)
@@ -109,11 +110,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     host, port = os.environ.get("HOST", "127.0.0.1"), int(os.environ.get("PORT", "8000"))
     # SIGTERM (from a test, or a process manager) unwinds like Ctrl-C: Locust and the server stop.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    OUT.mkdir(parents=True, exist_ok=True)
-    with server_for(stage, host, port) as pid:
+    args.out.mkdir(parents=True, exist_ok=True)
+    with server_for(stage, host, port, args.out) as pid:
         url = f"http://{host}:{port}"
         if args.headless:
-            headless(stage, url, args.profile, args.duration, pid)
+            headless(stage, url, args.profile, args.duration, pid, args.out)
         else:
             with contextlib.suppress(KeyboardInterrupt):
                 web_ui(url, args.web_host, args.web_port, extra)
