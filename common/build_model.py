@@ -19,26 +19,53 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import shutil
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from common import corpus
 from common.settings import REPO_ROOT
 
+if TYPE_CHECKING:
+    from common.engine import Engine
+
 BUILD_VERSION = 3  # bump when the build recipe changes, so old folders are rebuilt
 QUALITY_SENTENCES = 240
 GATE_MEAN_COSINE = 0.99
 GATE_STSB_POINTS = 1.0
+
+
+@dataclass(frozen=True)
+class StaticRecipe:
+    """How static INT8 is made; `python -m common.quant_study` compares recipes."""
+
+    calibration: str = "Percentile"  # MinMax, Entropy or Percentile (ORT CalibrationMethod)
+    percentile: float = 99.999
+    calibration_texts: int = 128
+    quant_format: str = "QOperator"  # QOperator or QDQ
+    activations: str = "QUInt8"  # QUInt8 (asymmetric) or QInt8 (symmetric)
+    exclude: tuple[str, ...] = ()  # regexes of node names that stay fp32
+    pad_calibration: bool = True  # calibrate on texts padded to the longest, or each at its length
+
+    def describe(self) -> str:
+        calib = self.calibration + (f" p{self.percentile}" if self.calibration == "Percentile" else "")
+        kept = f", fp32: {' '.join(self.exclude)}" if self.exclude else ""
+        padded = "padded" if self.pad_calibration else "unpadded"
+        return (
+            f"{self.activations} activations, {calib} calibration on {self.calibration_texts}"
+            f" {padded} project sentences, {self.quant_format}{kept}"
+        )
+
+
 # Static INT8 recipe, chosen by the measurements in docs/quantization.md.
-STATIC_CALIBRATION = "Percentile"
-STATIC_PERCENTILE = 99.999
-STATIC_CALIBRATION_TEXTS = 128
+STATIC_RECIPE = StaticRecipe()
 
 
 def packaged_model_dir() -> Path:
@@ -123,23 +150,35 @@ def quantize_dynamic(fp32: Path, out: Path) -> None:
 class _CalibrationReader:
     """Feeds tokenized calibration sentences, one at a time, to ONNX Runtime's calibrator."""
 
-    def __init__(self, tokenizer_path: Path, max_tokens: int, texts: list[str]) -> None:
+    def __init__(self, tokenizer_path: Path, max_tokens: int, texts: list[str], pad: bool) -> None:
         from tokenizers import Tokenizer
+
+        from common.engine import pad_batch
 
         tok = Tokenizer.from_file(str(tokenizer_path))
         tok.no_padding()
         tok.enable_truncation(max_length=max_tokens)
-        # The histogram calibrators stack activations across calls, so every call must
-        # have one shape: pad to the longest text; the mask keeps padding out of attention.
-        from common.engine import pad_batch
-
         rows = [np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch(texts)]
-        ids, mask = pad_batch(rows)
+        if pad:
+            # One shape for every call: the histogram calibrators stack a whole pass. But then
+            # most calibrated activations belong to padding, which mean pooling later ignores.
+            ids, mask = pad_batch(rows)
+            rows_ids, rows_mask = list(ids), list(mask)
+        else:
+            # Each text at its own length; the calibrator then runs one text per pass
+            # (`set_range`), so histograms merge across shapes.
+            rows_ids, rows_mask = rows, [np.ones_like(r) for r in rows]
         self._feeds = [
-            {"input_ids": ids[i : i + 1], "attention_mask": mask[i : i + 1], "token_type_ids": 0 * ids[i : i + 1]}
-            for i in range(len(rows))
+            {"input_ids": i[None, :], "attention_mask": m[None, :], "token_type_ids": 0 * i[None, :]}
+            for i, m in zip(rows_ids, rows_mask, strict=True)
         ]
         self._iter = iter(self._feeds)
+
+    def __len__(self) -> int:
+        return len(self._feeds)
+
+    def set_range(self, start_index: int, end_index: int) -> None:
+        self._iter = iter(self._feeds[start_index:end_index])
 
     def get_next(self) -> dict[str, np.ndarray] | None:
         return next(self._iter, None)
@@ -148,26 +187,54 @@ class _CalibrationReader:
         self._iter = iter(self._feeds)
 
 
-def quantize_static(fp32: Path, out: Path, tokenizer_path: Path, max_tokens: int) -> None:
-    """Static INT8: calibrated activation scales, so a text's vector does not depend on its batch."""
+def excluded_nodes(fp32: Path, patterns: tuple[str, ...]) -> list[str]:
+    """Names of the nodes of `fp32` that match any of the regexes (these stay fp32)."""
+    import onnx
+
+    if not patterns:
+        return []
+    graph = onnx.load(str(fp32), load_external_data=False).graph
+    return [n.name for n in graph.node if any(re.search(p, n.name) for p in patterns)]
+
+
+def quantize_static(
+    fp32: Path,
+    out: Path,
+    tokenizer_path: Path,
+    max_tokens: int,
+    recipe: StaticRecipe = STATIC_RECIPE,
+    calibration_cache: Path | None = None,
+) -> None:
+    """Static INT8: calibrated activation scales, so a text's vector does not depend on its batch.
+
+    `calibration_cache` (a json file) keeps the calibrated ranges, so recipes that differ only
+    in format, activation type or excluded nodes calibrate once.
+    """
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
     from onnxruntime.quantization import quantize_static as ort_quantize_static
 
     # Calibration texts: a seed the quality gate does not use, every length bucket.
-    texts = corpus.texts(STATIC_CALIBRATION_TEXTS, seed=7, kind="mixed", unique=False)
-    reader = _CalibrationReader(tokenizer_path, max_tokens, texts)
+    texts = corpus.texts(recipe.calibration_texts, seed=7, kind="mixed", unique=False)
+    reader = _CalibrationReader(tokenizer_path, max_tokens, texts, pad=recipe.pad_calibration)
     out.parent.mkdir(parents=True, exist_ok=True)
     ort_quantize_static(
         fp32,
         out,
         reader,
-        quant_format=QuantFormat.QOperator,
+        quant_format=getattr(QuantFormat, recipe.quant_format),
         op_types_to_quantize=["MatMul"],
         per_channel=True,
-        activation_type=QuantType.QUInt8,
+        activation_type=getattr(QuantType, recipe.activations),
         weight_type=QuantType.QInt8,
-        calibrate_method=getattr(CalibrationMethod, STATIC_CALIBRATION),
-        extra_options={"CalibPercentile": STATIC_PERCENTILE},
+        nodes_to_exclude=excluded_nodes(fp32, recipe.exclude),
+        calibrate_method=getattr(CalibrationMethod, recipe.calibration),
+        extra_options={
+            "CalibPercentile": recipe.percentile,
+            "ActivationSymmetric": recipe.activations == "QInt8",
+            # One text per calibration pass when unpadded (ORT's name says MinMax; it serves all).
+            **({} if recipe.pad_calibration else {"CalibStridedMinMax": 1}),
+        },
+        calibration_cache_path=calibration_cache,
     )
 
 
@@ -175,41 +242,55 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.asarray((a * b).sum(axis=1), dtype=np.float64)  # both L2-normalized
 
 
+def quality_sentences() -> list[str]:
+    """The quality gate's project sentences: varied length and topic, no duplicates."""
+    sentences = list(dict.fromkeys(corpus.texts(QUALITY_SENTENCES * 2, seed=2024, unique=False)))
+    return sentences[:QUALITY_SENTENCES]
+
+
+def load_stsb(path: Path) -> tuple[list[str], list[str], np.ndarray]:
+    """STS-benchmark pairs and gold scores from a csv with sentence1, sentence2, score."""
+    import csv
+
+    with path.open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    return (
+        [r["sentence1"] for r in rows],
+        [r["sentence2"] for r in rows],
+        np.asarray([float(r["score"]) for r in rows]),
+    )
+
+
+def embed_all(engine: Engine, texts: list[str], batch: int = 32) -> np.ndarray:
+    return np.concatenate([engine.embed(texts[i : i + batch]).vectors for i in range(0, len(texts), batch)])
+
+
+def stsb_spearman(engine: Engine, pairs: tuple[list[str], list[str], np.ndarray]) -> float:
+    """Spearman x100 between the cosine of each pair and its gold score."""
+    from scipy.stats import spearmanr
+
+    sims = _cosines(embed_all(engine, pairs[0]), embed_all(engine, pairs[1]))
+    return float(spearmanr(sims, pairs[2]).statistic * 100)
+
+
 def quality(out: Path, variants: list[str], stsb: Path | None) -> dict[str, Any]:
     """Cosine of each INT8 variant to fp32, and STS-B Spearman x100 when a file is given."""
     from common.engine import Engine
 
-    sentences = list(dict.fromkeys(corpus.texts(QUALITY_SENTENCES * 2, seed=2024, unique=False)))
-    sentences = sentences[:QUALITY_SENTENCES]
+    sentences = quality_sentences()
     engines = {v: Engine(out, variant=v) for v in ["fp32", *variants]}
-
-    def embed(engine: Engine, texts: list[str]) -> np.ndarray:
-        return np.concatenate([engine.embed(texts[i : i + 32]).vectors for i in range(0, len(texts), 32)])
-
-    ref = embed(engines["fp32"], sentences)
+    ref = embed_all(engines["fp32"], sentences)
     report: dict[str, Any] = {"sentences": len(sentences), "variants": {}}
-    pairs: tuple[list[str], list[str], np.ndarray] | None = None
-    if stsb is not None:
-        import csv
-
-        with stsb.open(newline="") as fh:
-            rows = list(csv.DictReader(fh))
-        pairs = (
-            [r["sentence1"] for r in rows],
-            [r["sentence2"] for r in rows],
-            np.asarray([float(r["score"]) for r in rows]),
-        )
-        report["stsb_pairs"] = len(rows)
+    pairs = load_stsb(stsb) if stsb is not None else None
+    if pairs is not None:
+        report["stsb_pairs"] = len(pairs[2])
     for name, engine in engines.items():
         entry: dict[str, Any] = {}
         if name != "fp32":
-            cos = _cosines(ref, embed(engine, sentences))
+            cos = _cosines(ref, embed_all(engine, sentences))
             entry |= {"mean_cosine_to_fp32": float(cos.mean()), "min_cosine_to_fp32": float(cos.min())}
         if pairs is not None:
-            from scipy.stats import spearmanr
-
-            sims = _cosines(embed(engine, pairs[0]), embed(engine, pairs[1]))
-            entry["stsb_spearman_x100"] = float(spearmanr(sims, pairs[2]).statistic * 100)
+            entry["stsb_spearman_x100"] = stsb_spearman(engine, pairs)
         report["variants"][name] = entry
     return report
 
@@ -258,7 +339,7 @@ def build(source: str, name: str, out: Path, stsb: Path | None, force: bool) -> 
     fp32 = out / "fp32" / "model.onnx"
     print("quantizing: dynamic per-channel INT8 ...", flush=True)
     quantize_dynamic(fp32, out / "int8-dynamic" / "model.onnx")
-    print(f"quantizing: static per-channel INT8 ({STATIC_CALIBRATION} calibration) ...", flush=True)
+    print(f"quantizing: static per-channel INT8 ({STATIC_RECIPE.describe()}) ...", flush=True)
     quantize_static(fp32, out / "int8-static" / "model.onnx", out / "tokenizer.json", max_tokens)
 
     files = ["fp32/model.onnx", "int8-dynamic/model.onnx", "int8-static/model.onnx", "tokenizer.json"]
@@ -273,8 +354,8 @@ def build(source: str, name: str, out: Path, stsb: Path | None, force: bool) -> 
             "int8-dynamic": {"weights": "int8 per-channel", "activations": "uint8, scales per call"},
             "int8-static": {
                 "weights": "int8 per-channel",
-                "activations": f"uint8, {STATIC_CALIBRATION} calibration"
-                f" (p{STATIC_PERCENTILE}) on {STATIC_CALIBRATION_TEXTS} project sentences",
+                "activations": STATIC_RECIPE.describe(),
+                "recipe": asdict(STATIC_RECIPE),
                 "ops": "MatMul",
             },
         },
@@ -306,7 +387,9 @@ def build(source: str, name: str, out: Path, stsb: Path | None, force: bool) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--model", help="checkpoint folder or hub id (default: the packaged all-MiniLM-L6-v2)")
+    parser.add_argument(
+        "--model", help="checkpoint folder or hub id (default: the packaged all-MiniLM-L6-v2)"
+    )
     parser.add_argument("--name", help="folder name under models/ (default: from the source)")
     parser.add_argument("--out-root", type=Path, default=REPO_ROOT / "models")
     parser.add_argument("--stsb", type=Path, help="STS-benchmark csv (sentence1,sentence2,score)")
