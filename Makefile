@@ -78,3 +78,10 @@ bench: setup
 		--benchmark-enable --benchmark-only --benchmark-storage=file://docs/results/benchmarks \
 		--benchmark-autosave --benchmark-json=docs/results/bench.json \
 		$(if $(COMPARE),--benchmark-compare) $(ARGS)
+
+# --- stage 4 measurements (docs/stage4.md) ----------------------------------------------------
+.PHONY: bench-stage4
+
+## bench-stage4: cache hit latency by tier, pooled vs per-command Redis, repeated texts and overload vs stage 3
+bench-stage4: setup
+	$(PY) -m stage4_cache_backpressure.bench $(ARGS)
