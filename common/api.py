@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -24,6 +24,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -48,9 +49,11 @@ __all__ = [
     "EmbedJob",
     "EmbedRequest",
     "EmbedResult",
+    "LeanRoute",
     "OpenAIEmbeddingRequest",
     "create_app",
     "json_response",
+    "lean_route",
     "read_body",
     "tokenize",
     "validate_texts",
@@ -185,10 +188,44 @@ def _timing_headers(result: EmbedResult, started: float) -> dict[str, str]:
     return headers
 
 
-def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
-    """The OpenAPI ``requestBody`` for a route that parses its body itself (``read_body``)."""
-    schema = {"required": True, "content": {_JSON: {"schema": model.model_json_schema()}}}
-    return {"requestBody": schema}
+def _body_doc(model: type[BaseModel], field: str, settings: Settings) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` for a route that parses its body itself (``read_body``).
+
+    The text field also states this server's limits (MAX_ITEMS, MAX_CHARS), which
+    ``validate_texts`` checks with its own messages, so a schema-driven client or fuzzer
+    knows which inputs are valid.
+    """
+    schema = model.model_json_schema()
+    text = {"type": "string", "minLength": 1, "maxLength": settings.max_chars}
+    many = {"type": "array", "items": text, "minItems": 1, "maxItems": settings.max_items}
+    schema["properties"][field]["anyOf"] = [text, many]
+    return {"requestBody": {"required": True, "content": {_JSON: {"schema": schema}}}}
+
+
+# --8<-- [start:lean_route]
+class LeanRoute(APIRoute):
+    """A route whose endpoint takes the ``Request`` and returns a ``Response`` itself.
+
+    A custom ``APIRoute`` is FastAPI's documented hook for this. The route is declared (and
+    documented in OpenAPI) as usual; per request, FastAPI's dependency solving, body
+    handling and response serialization are skipped: this server does all three itself.
+    """
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        return self.endpoint  # type: ignore[return-value]
+
+
+# --8<-- [end:lean_route]
+
+
+def lean_route(app: FastAPI, method: str, path: str, **kwargs: Any) -> Callable[[Any], Any]:
+    """``@lean_route(app, "POST", "/v1/embed")``: register a ``LeanRoute`` (other routes keep FastAPI's)."""
+
+    def register(endpoint: Any) -> Any:
+        app.router.add_api_route(path, endpoint, methods=[method], route_class_override=LeanRoute, **kwargs)
+        return endpoint
+
+    return register
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -296,12 +333,14 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
 
     # --8<-- [end:run_job]
 
-    @app.post(
+    @lean_route(
+        app,
+        "POST",
         "/v1/embed",
         tags=["embeddings"],
         response_model=EmbedResponse,
         responses=_ERRORS,
-        openapi_extra=_body_doc(EmbedRequest),
+        openapi_extra=_body_doc(EmbedRequest, "inputs", settings),
     )
     async def embed(request: Request) -> Response:
         """Embed one text or a list of texts."""
@@ -318,12 +357,14 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         }
         return json_response(payload, headers=_timing_headers(result, started))
 
-    @app.post(
+    @lean_route(
+        app,
+        "POST",
         "/v1/embeddings",
         tags=["embeddings"],
         response_model=OpenAIEmbeddingResponse,
         responses={404: {"model": ErrorResponse, "description": "Unknown `model`"}, **_ERRORS},
-        openapi_extra=_body_doc(OpenAIEmbeddingRequest),
+        openapi_extra=_body_doc(OpenAIEmbeddingRequest, "input", settings),
     )
     async def embeddings(request: Request) -> Response:
         """OpenAI-compatible embeddings (the official `openai` client works unchanged)."""
@@ -357,7 +398,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         }
         return json_response(payload, headers=_timing_headers(result, started))
 
-    @app.get("/v1/models", tags=["meta"], response_model=ModelList)
+    @lean_route(app, "GET", "/v1/models", tags=["meta"], response_model=ModelList)
     async def models(request: Request) -> Response:
         """The served model, in the OpenAI shape (its `id` is what `model` accepts)."""
         engine: Engine | None = getattr(request.app.state, "engine", None)
@@ -366,12 +407,14 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
             data.append({"id": engine.model_name, "object": "model", "created": 0, "owned_by": "embedserve"})
         return json_response({"object": "list", "data": data})
 
-    @app.get("/health", tags=["meta"], response_model=Status)
-    async def health() -> Response:
+    @lean_route(app, "GET", "/health", tags=["meta"], response_model=Status)
+    async def health(request: Request) -> Response:
         """Liveness: the process answers."""
         return json_response({"status": "ok"})
 
-    @app.get("/ready", tags=["meta"], response_model=Status, responses={503: {"model": ErrorResponse}})
+    @lean_route(
+        app, "GET", "/ready", tags=["meta"], response_model=Status, responses={503: {"model": ErrorResponse}}
+    )
     async def ready(request: Request) -> Response:
         """Readiness: 503 until the model is loaded and warmed, and again while draining."""
         if request.app.state.ready:
