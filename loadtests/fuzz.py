@@ -1,0 +1,106 @@
+"""Schema fuzzing: schemathesis against a running server's own ``/openapi.json``.
+
+For every operation the server documents, hypothesis generates schema-valid bodies
+(positive) and schema-breaking ones (negative), sends them over a real socket and runs
+schemathesis' checks on each answer: no 5xx, status, content type, headers and body as
+documented, and schema-invalid input refused with a 4xx.
+
+One check is left out on purpose: ``positive_data_acceptance`` expects every
+schema-valid body to be accepted, but the limits that make some of them 422 (MAX_ITEMS,
+MAX_CHARS, no empty strings) are runtime settings the schema does not carry.
+
+    python -m loadtests.fuzz http://127.0.0.1:8000 --examples 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import APIOperation, GenerationMode
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+
+@dataclass
+class FuzzReport:
+    url: str
+    examples_per_operation: int
+    requests: dict[str, int] = field(default_factory=dict)  # "POST /v1/embed positive" -> sent
+    statuses: dict[int, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def total_requests(self) -> int:
+        return sum(self.requests.values())
+
+
+def fuzz_server(url: str, examples: int = 25, headers: dict[str, str] | None = None) -> FuzzReport:
+    """Fuzz every operation of the server at ``url``; failures are collected, not raised."""
+    started = time.perf_counter()
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    report = FuzzReport(url, examples)
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            key = f"{operation.method.upper()} {operation.path} {mode.value}"
+            try:
+                _fuzz_operation(operation, mode, key, url, headers, report)
+            except Unsatisfiable:  # nothing to break: a GET without parameters has no negative input
+                del report.requests[key]
+            except Exception as exc:  # a failed check: keep it, fuzz the remaining operations
+                report.failures.append(f"{key}: {exc}")
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _fuzz_operation(
+    operation: APIOperation,
+    mode: GenerationMode,
+    key: str,
+    url: str,
+    headers: dict[str, str] | None,
+    report: FuzzReport,
+) -> None:
+    report.requests[key] = 0
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(
+        max_examples=report.examples_per_operation,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    def run(case: schemathesis.Case) -> None:
+        response = case.call_and_validate(
+            base_url=url, headers=headers, excluded_checks=[positive_data_acceptance], timeout=60
+        )
+        report.requests[key] += 1
+        report.statuses[response.status_code] = report.statuses.get(response.status_code, 0) + 1
+
+    run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("url", help="base URL of a running stage, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--examples", type=int, default=500, help="examples per operation and mode")
+    args = parser.parse_args(argv)
+    report = fuzz_server(args.url.rstrip("/"), args.examples)
+    for key, n in report.requests.items():
+        print(f"{n:6d}  {key}")
+    print(f"{report.total_requests} requests in {report.seconds:.0f} s; statuses {report.statuses}")
+    for failure in report.failures:
+        print("FAIL", failure, file=sys.stderr)
+    return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
