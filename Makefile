@@ -74,7 +74,7 @@ compare: setup
 
 ## bench: pytest-benchmark microbenchmarks saved under docs/results/ (COMPARE=1: compare with the last run)
 bench: setup
-	$(PY) -m pytest benchmarks -o python_files='bench_*.py' -p no:cacheprovider \
+	$(PY) -m pytest benchmarks -o python_files='bench_*.py' -o python_functions='bench_*' -p no:cacheprovider \
 		--benchmark-enable --benchmark-only --benchmark-storage=file://docs/results/benchmarks \
 		--benchmark-autosave --benchmark-json=docs/results/bench.json \
 		$(if $(COMPARE),--benchmark-compare) $(ARGS)

@@ -1,0 +1,63 @@
+"""The batcher's own cost per request, with a trivial model so only the queueing is measured."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pytest
+
+from common.engine import Engine, TokenizedText
+from common.settings import Settings
+from stage3_batching.batcher import Batcher
+
+DIM = 384
+
+
+def _trivial_model(ids: Sequence[np.ndarray]) -> np.ndarray:
+    return np.zeros((len(ids), DIM), dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def batcher(loop: asyncio.AbstractEventLoop, settings: Settings) -> Iterator[Batcher]:
+    batcher = Batcher(_trivial_model, settings)
+    loop.run_until_complete(batcher.start())
+    yield batcher
+    loop.run_until_complete(batcher.close())
+
+
+@pytest.fixture(scope="module")
+def tokens(engine: Engine, sentences: list[str]) -> list[TokenizedText]:
+    return engine.tokenize(sentences[:64])
+
+
+def bench_one_request_alone(
+    benchmark: pytest.FixtureRequest,
+    loop: asyncio.AbstractEventLoop,
+    batcher: Batcher,
+    tokens: list[TokenizedText],
+) -> None:
+    """One request, nothing else queued (LOW tier: no window): the floor a batcher adds."""
+    benchmark.group = "batcher: overhead per request"
+    out = benchmark(lambda: loop.run_until_complete(batcher.submit(tokens[:1])))
+    assert out.vectors.shape == (1, DIM)
+
+
+@pytest.mark.parametrize("concurrent", (8, 64))
+def bench_burst(
+    benchmark: pytest.FixtureRequest,
+    loop: asyncio.AbstractEventLoop,
+    batcher: Batcher,
+    tokens: list[TokenizedText],
+    concurrent: int,
+) -> None:
+    """``concurrent`` one-text requests at once; divide by ``requests`` for the cost of one."""
+
+    async def burst() -> list[object]:
+        return await asyncio.gather(*(batcher.submit(tokens[i : i + 1]) for i in range(concurrent)))
+
+    benchmark.group = "batcher: overhead per request"
+    benchmark.extra_info["requests"] = concurrent
+    outs = benchmark(lambda: loop.run_until_complete(burst()))
+    assert len(outs) == concurrent

@@ -1,0 +1,286 @@
+"""The load-test harness end to end: Locust against real servers, `make compare` in its quick form.
+
+Timings on a shared 2-core machine are noise, so these tests check completeness (every stage,
+every profile, every figure present and positive), never speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common.serve import available_stages
+from loadtests.harness import Profile, classify_failures, percentile
+from loadtests.report import add_ratios
+from tests.conftest import REPO, free_port
+
+USER_CLASSES = (
+    "UniqueTextUser",
+    "RepeatedTextUser",
+    "WaveUser",
+    "MixedLengthUser",
+    "OverloadUser",
+    "ThinkingUser",
+)
+# The quick compare in `make test`: one unique-text point plus the repeated and overload profiles.
+TEST_PROFILES = ("unique-8", "repeated-32", "overload-256")
+
+
+def _locust(host: str, prefix: Path, seconds: int, users: int, *args: str) -> list[dict]:
+    command = [
+        sys.executable, "-m", "locust", "-f", "loadtests/locustfile.py", "--headless", "--host", host,
+        "-u", str(users), "-r", str(users), "-t", f"{seconds}s", "--reset-stats", "--only-summary",
+        "--json-file", str(prefix), "--run-report", f"{prefix}_report.json", "--exit-code-on-error", "0",
+        *args,
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=seconds + 60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return list(json.loads(Path(f"{prefix}.json").read_text()))
+
+
+# --- pure helpers -----------------------------------------------------------------
+def test_percentile_matches_locusts_own() -> None:
+    """Same answer as locust.stats for the same buckets (asked in a subprocess: locust patches on import)."""
+    cases = [({"10": 50, "20": 40, "100": 9, "1000": 1}, q) for q in (0.5, 0.9, 0.95, 0.99, 1.0)]
+    cases += [({"3": 1}, 0.5), ({"44": 3, "45": 5, "2700": 2}, 0.99), ({"1.5": 2, "7": 1}, 0.66)]
+    code = (
+        "import json, sys\n"
+        "from locust.stats import calculate_response_time_percentile as p\n"
+        "cases = json.load(sys.stdin)\n"
+        "print(json.dumps([p({float(k): v for k, v in t.items()}, sum(t.values()), q) for t, q in cases]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=json.dumps(cases), capture_output=True, text=True, check=True
+    )
+    assert [percentile(t, q) for t, q in cases] == json.loads(done.stdout)
+    assert percentile({}, 0.5) == 0.0
+
+
+def test_failures_are_split_into_503_and_the_rest() -> None:
+    errors = {
+        "HTTP 503": 7,
+        "HTTP 500": 2,
+        "ConnectionRefusedError(111, 'Connection refused')": 1,
+        "expected 8 vectors, got 7": 1,
+    }
+    assert classify_failures(errors) == {"503": 7, "other": 4}
+
+
+def test_ratios_compare_each_stage_with_the_one_before() -> None:
+    profiles = [Profile("p", "UniqueTextUser", 8), Profile("o", "OverloadUser", 8, texts_per_request=4)]
+    points = [
+        {"stage": "stage1_naive", "profile": "p", "rps": 10.0},
+        {"stage": "stage1_naive", "profile": "o", "rps": 5.0},
+        {"stage": "stage2_threadpool", "profile": "p", "rps": 15.0},
+        {"stage": "stage2_threadpool", "profile": "o", "rps": 0.0},
+    ]
+    out = add_ratios(points, profiles, {"sentence": {"texts_per_s": 40.0}})
+    assert [p["ratio_to_previous"] for p in out] == [None, None, 1.5, 0.0]
+    assert [p["previous_stage"] for p in out] == [None, None, "stage1_naive", "stage1_naive"]
+    assert out[2]["fraction_of_ceiling"] == pytest.approx(15 / 40)
+    assert out[1]["ceiling_rps"] == 10.0  # 40 texts/s, 4 texts per request
+
+
+# --- the locustfile against a real server -----------------------------------------
+@pytest.fixture(scope="module")
+def stage_url(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from tests.conftest import run_server
+
+    with run_server(available_stages()[-1], tmp_path_factory.mktemp("srv")) as server:
+        yield server.url
+
+
+def test_every_user_class_sends_valid_requests(stage_url: str, tmp_path: Path) -> None:
+    entries = _locust(stage_url, tmp_path / "all", 3, len(USER_CLASSES), "--wave-period", "0.5")
+    by_name = {e["name"]: e for e in entries}
+    for cls in USER_CLASSES:
+        entry = by_name[f"/v1/embed {cls}"]
+        assert entry["num_requests"] > 0, cls
+        assert entry["num_failures"] == 0, cls
+    report = json.loads((tmp_path / "all_report.json").read_text())
+    assert report["errors"] == {}
+    assert report["wall_s"] > 0 and report["cpu_s"] > 0
+
+
+def test_openai_endpoint_option(stage_url: str, tmp_path: Path) -> None:
+    entries = _locust(
+        stage_url, tmp_path / "oai", 2, 2, "--endpoint", "/v1/embeddings", "--texts-per-request", "3",
+        "UniqueTextUser",
+    )  # fmt: skip
+    (entry,) = entries
+    assert entry["name"] == "/v1/embeddings UniqueTextUser"
+    assert entry["num_requests"] > 0 and entry["num_failures"] == 0
+
+
+def test_a_wrong_vector_count_is_a_failure(tmp_path: Path) -> None:
+    """The cheap body check must catch a server that drops a vector: aim Locust at one that does."""
+    port = free_port()
+    script = (
+        "import http.server, json\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_POST(self):\n"
+        "        n = json.loads(self.rfile.read(int(self.headers['Content-Length'])))['inputs']\n"
+        "        vectors = [[0.0, 1.0]] * (len(n) - 1)  # compact JSON, as the servers write it\n"
+        "        body = json.dumps({'embeddings': vectors}, separators=(',', ':')).encode()\n"
+        "        self.send_response(200); self.send_header('Content-Length', str(len(body)))\n"
+        "        self.end_headers(); self.wfile.write(body)\n"
+        "    def log_message(self, *a): pass\n"
+        f"http.server.ThreadingHTTPServer(('127.0.0.1', {port}), H).serve_forever()\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "stub server did not start"
+                time.sleep(0.1)
+        entries = _locust(
+            f"http://127.0.0.1:{port}", tmp_path / "bad", 2, 1, "--texts-per-request", "3", "UniqueTextUser"
+        )
+    finally:
+        server.terminate()
+        server.wait()
+    (entry,) = entries
+    assert entry["num_requests"] > 0 and entry["num_failures"] == entry["num_requests"]
+    report = json.loads((tmp_path / "bad_report.json").read_text())
+    assert list(report["errors"]) == ["expected 3 vectors, got 2"]
+
+
+# --- make loadtest (web UI) and make loadtest-headless -------------------------------
+def test_make_loadtest_starts_the_stage_and_serves_the_web_ui(tmp_path: Path) -> None:
+    stage, port, web = available_stages()[-1], free_port(), free_port()
+    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port)}
+    log = (tmp_path / "run.log").open("wb")
+    run = subprocess.Popen(
+        [sys.executable, "-m", "loadtests.run", "--stage", stage, "--web-port", str(web),
+         "--out", str(tmp_path)],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    ui = f"http://127.0.0.1:{web}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert run.poll() is None, (tmp_path / "run.log").read_text()
+            try:
+                page = httpx.get(ui, timeout=2)
+                if page.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "web UI did not come up"
+            time.sleep(0.5)
+        # The custom options are part of the UI's form, and the class picker lists every workload.
+        for option in ("unique_ratio", "endpoint", "wave_period", "texts_per_request"):
+            assert option in page.text, option
+        assert "run_report" not in page.text
+        for cls in USER_CLASSES:
+            assert cls in page.text, cls
+        started = httpx.post(
+            f"{ui}/swarm",
+            data={"user_count": 2, "spawn_rate": 2, "host": f"http://127.0.0.1:{port}",
+                  "user_classes": "RepeatedTextUser", "unique_ratio": "0.5"},
+        )  # fmt: skip
+        assert started.json()["success"] is True
+        deadline = time.monotonic() + 30
+        while True:
+            stats = httpx.get(f"{ui}/stats/requests").json()
+            total = next(s for s in stats["stats"] if s["name"] == "Aggregated")
+            if total["num_requests"] >= 5:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.5)
+        assert total["num_failures"] == 0
+        httpx.post(f"{ui}/stop")
+    finally:
+        run.send_signal(signal.SIGTERM)
+        run.wait(timeout=60)
+        log.close()
+    # Started by `make loadtest`, so stopped with it.
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_make_loadtest_headless_writes_csv_and_json(tmp_path: Path) -> None:
+    stage, port = available_stages()[-1], free_port()
+    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port)}
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.run", "--stage", stage, "--headless", "--profile", "unique-8",
+         "--duration", "2", "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (summary_path,) = tmp_path.glob(f"{stage}-unique-8-*_summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["stage"] == stage and summary["requests"] > 0 and summary["rps"] > 0
+    assert summary["failures"] == {"503": 0, "other": 0}
+    assert summary["machine"]["logical_cores"] > 0
+    csv_lines = summary_path.with_name(summary_path.name.replace(".json", ".csv")).read_text().splitlines()
+    assert csv_lines[0].startswith("stage,profile,") and len(csv_lines) == 2
+    assert list(tmp_path.glob(f"{stage}-unique-8-*_stats_history.csv"))
+
+
+# --- make compare, quick ----------------------------------------------------------
+def test_quick_compare_writes_complete_results(tmp_path: Path) -> None:
+    """`make compare QUICK=1`, shortened: every stage, every chosen profile, every figure."""
+    stages = available_stages()
+    command = [
+        sys.executable, "-m", "loadtests.compare", "--quick", "--duration", "2", "--warmup", "0.5",
+        "--ceiling-seconds", "0.2", "--profiles", ",".join(TEST_PROFILES),
+        "--out", str(tmp_path), "--img", str(tmp_path / "img"), "--raw", str(tmp_path / "raw"),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    result = json.loads((tmp_path / "compare.json").read_text())
+    assert result["stages"] == stages
+    assert result["quick"] is True
+    assert {"cpu_model", "logical_cores", "memory_gib"} <= set(result["machine"])
+    assert result["versions"]["locust"] != "missing" and result["date"]
+    assert result["engine_ceiling"]["sentence"]["texts_per_s"] > 0
+    assert [p["name"] for p in result["profiles"]] == list(TEST_PROFILES)
+    points = {(p["stage"], p["profile"]): p for p in result["points"]}
+    assert set(points) == {(s, name) for s in stages for name in TEST_PROFILES}
+    for (stage, name), p in points.items():
+        where = f"{stage} {name}"
+        assert p["requests"] > 0 and p["successes"] > 0 and p["rps"] > 0, where
+        assert 0 < p["p50_ms"] <= p["p95_ms"] <= p["p99_ms"] <= p["max_ms"] * 1.1, where
+        assert p["failures"]["other"] == 0, (where, p["errors"])
+        assert p["loadgen_cores"] > 0 and p["server_cores"] > 0, where
+        assert p["fraction_of_ceiling"] > 0, where
+        assert (p["ratio_to_previous"] is None) == (stage == stages[0]), where
+    # Before backpressure (stage 4) nothing answers 503, however deep the queue.
+    early = {"stage1_naive", "stage2_threadpool", "stage3_batching"}
+    assert all(p["failures"]["503"] == 0 for p in points.values() if p["stage"] in early)
+
+    md = (tmp_path / "compare.md").read_text()
+    for name in TEST_PROFILES:
+        assert f"### {name}" in md
+    table_rows = [line for line in md.splitlines() if line.startswith("| ") and "req/s" not in line]
+    assert len(table_rows) >= len(stages) * len(TEST_PROFILES)
+    for png in ("compare_throughput.png", "compare_p99.png"):
+        data = (tmp_path / "img" / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, png
+
+
+def test_bench_suite_runs_once(tmp_path: Path) -> None:
+    """`make bench` with timing off: every microbenchmark runs once, so none can rot."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "benchmarks", "-o", "python_files=bench_*.py",
+         "-o", "python_functions=bench_*", "-p", "no:cacheprovider", "-q", "--benchmark-disable",
+         f"--basetemp={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout
