@@ -1,7 +1,7 @@
 """How many model-seconds the cache and the batcher saved: an estimate, and how it is made.
 
 The baseline is stage 2: every text runs alone. At start the server times the model on one
-text of a few lengths (the cheapest of three runs each) and interpolates between them. Then
+text of a few lengths (the median of five runs each) and interpolates between them. Then
 
 * a text answered from the cache saved what running it alone would have cost;
 * a batch of n texts saved n runs alone minus what the batch took (negative when padding
@@ -36,16 +36,17 @@ class CostModel:
         self.scale = 1.0  # measured / predicted, from batches of one
 
     @classmethod
-    def measure(cls, engine: Engine, repeats: int = 3) -> CostModel:
+    def measure(cls, engine: Engine, repeats: int = 5) -> CostModel:
         points = []
         for length in _LENGTHS:
             ids = engine.tokenize(["hello " * max(length - 2, 1)])[0].ids
-            best = float("inf")
+            runs = []
             for _ in range(repeats):
                 started = time.perf_counter()
                 engine.run([ids])
-                best = min(best, (time.perf_counter() - started) * 1e3)
-            points.append((len(ids), best))
+                runs.append((time.perf_counter() - started) * 1e3)
+            # The median, not the best: the baseline is a typical lone call, not a lucky one.
+            points.append((len(ids), float(np.median(runs))))
         return cls(points)
 
     def alone_ms(self, n_tokens: float) -> float:

@@ -219,11 +219,12 @@ class Window:
         }
 
     def series(self, seconds: int = 300, step: int = 5) -> list[dict[str, Any]]:
-        """Points every ``step`` seconds over the last ``seconds``, for the charts."""
+        """Points every ``step`` seconds over the last ``seconds`` (or since start), for the charts."""
         clock = self.clock()
         now = int(clock)
         self._expire(now)
         first = (now - seconds) // step * step + step
+        first = max(first, int(self.started) // step * step)  # nothing to draw before the start
         points = {t: Slot(second=t) for t in range(first, now + 1, step)}
         for slot in self._slots:
             start = slot.second // step * step

@@ -199,7 +199,8 @@ def test_json_views_after_traffic(server: Server) -> None:
     dedup = metrics["since_start"]["cache"]["deduplicated"] - start["since_start"]["cache"]["deduplicated"]
     assert hits + dedup == 21
     assert metrics["now"]["queue_depth"] == 0 and metrics["now"]["tier"] == "low"
-    assert dashboard["step_s"] == 5 and len(dashboard["series"]) == 60
+    # 5-second points since the server started (at most 5 minutes of them)
+    assert dashboard["step_s"] == 5 and 1 <= len(dashboard["series"]) <= 60
     recent = dashboard["series"][-13:]  # the last minute, at least
     assert sum(p["requests_per_s"] for p in recent) > 0
     assert any(p["p99_ms"] is not None for p in recent)

@@ -27,12 +27,13 @@ function fmt(v, digits) {
   return Number(v).toFixed(digits === undefined ? (Math.abs(v) < 10 ? 2 : 1) : digits);
 }
 
-function frame(svg, ymax, unit) {
+function frame(svg, ymin, ymax, unit) {
   const ih = H - PAD.t - PAD.b;
   for (let i = 0; i <= 4; i++) {
     const y = PAD.t + ih - (ih * i) / 4;
-    svg.appendChild(el("line", { x1: PAD.l, x2: W - PAD.r, y1: y, y2: y, stroke: "#e5e7eb" }));
-    svg.appendChild(el("text", { x: PAD.l - 6, y: y + 4, "text-anchor": "end" }, fmt((ymax * i) / 4) + (unit || "")));
+    const v = ymin + ((ymax - ymin) * i) / 4;
+    svg.appendChild(el("line", { x1: PAD.l, x2: W - PAD.r, y1: y, y2: y, stroke: v === 0 && ymin < 0 ? "#9ca3af" : "#e5e7eb" }));
+    svg.appendChild(el("text", { x: PAD.l - 6, y: y + 4, "text-anchor": "end" }, fmt(v) + (unit || "")));
   }
 }
 
@@ -51,12 +52,16 @@ function lineChart(id, times, series, opts) {
   const svg = el("svg", { viewBox: `0 0 ${W} ${H}`, role: "img" });
   const all = series.flatMap((s) => s.values).filter((v) => v !== null);
   const ymax = opts.ymax || niceMax(Math.max(0, ...all));
-  frame(svg, ymax, opts.unit);
+  const lowest = Math.min(0, ...all);  // savings go negative when batches cost more than lone calls
+  const ymin = lowest < 0 ? -niceMax(-lowest) : 0;
+  frame(svg, ymin, ymax, opts.unit);
   const iw = W - PAD.l - PAD.r, ih = H - PAD.t - PAD.b;
   const t0 = times[0], t1 = times[times.length - 1] || t0 + 1;
   const x = (t) => PAD.l + (iw * (t - t0)) / Math.max(t1 - t0, 1);
-  const y = (v) => PAD.t + ih - (ih * Math.min(v, ymax)) / ymax;
-  for (const [label, frac] of [["-5 min", 0], ["-2.5 min", 0.5], ["now", 1]]) {
+  const y = (v) => PAD.t + ih - (ih * (Math.min(v, ymax) - ymin)) / (ymax - ymin);
+  const ago = (sec) => (sec >= 120 ? `-${fmt(sec / 60, 1)} min` : `-${Math.round(sec)} s`);
+  const span = t1 - t0 + (opts.step || 0);
+  for (const [label, frac] of [[ago(span), 0], [ago(span / 2), 0.5], ["now", 1]]) {
     svg.appendChild(el("text", { x: PAD.l + iw * frac, y: H - 6, "text-anchor": frac === 0 ? "start" : frac === 1 ? "end" : "middle" }, label));
   }
   let points = 0;
@@ -79,7 +84,7 @@ function barChart(id, bars, names, opts) {
   opts = opts || {};
   const svg = el("svg", { viewBox: `0 0 ${W} ${H}`, role: "img" });
   const ymax = niceMax(Math.max(0, ...bars.map((b) => b.parts.reduce((a, v) => a + v, 0))));
-  frame(svg, ymax);
+  frame(svg, 0, ymax);
   const iw = W - PAD.l - PAD.r, ih = H - PAD.t - PAD.b;
   const slot = iw / Math.max(bars.length, 1), bw = Math.max(1, slot * 0.7);
   const every = Math.ceil(bars.length / 12);
@@ -131,21 +136,22 @@ function render(d) {
   setText("t-saved-sub", `cache ${fmt(sv.model_s_saved_by_cache)} s, batching ${fmt(sv.model_s_saved_by_batching)} s (${pct(sv.saved_fraction)})`);
 
   const t = series.map((p) => p.t), col = (k) => series.map((p) => p[k]);
+  const step = d.step_s;
   const perSec = (k) => series.map((p) => p[k] / d.step_s);
-  lineChart("c-throughput", t, [{ name: "requests/s", values: col("requests_per_s") }, { name: "texts/s", values: col("texts_per_s") }]);
-  lineChart("c-latency", t, [{ name: "p50", values: col("p50_ms") }, { name: "p95", values: col("p95_ms") }, { name: "p99", values: col("p99_ms") }]);
-  lineChart("c-hits", t, [{ name: "hit rate", values: series.map((p) => (p.hit_rate === null ? null : 100 * p.hit_rate)) }], { ymax: 100, zeroIsData: true });
+  lineChart("c-throughput", t, [{ name: "requests/s", values: col("requests_per_s") }, { name: "texts/s", values: col("texts_per_s") }], { step });
+  lineChart("c-latency", t, [{ name: "p50", values: col("p50_ms") }, { name: "p95", values: col("p95_ms") }, { name: "p99", values: col("p99_ms") }], { step });
+  lineChart("c-hits", t, [{ name: "hit rate", values: series.map((p) => (p.hit_rate === null ? null : 100 * p.hit_rate)) }], { ymax: 100, zeroIsData: true, step });
   const sizes = s.batches.size_distribution;
   const largest = Math.max(1, ...Object.keys(sizes).map(Number));
   const bySize = Array.from({ length: largest }, (_, i) => ({ label: String(i + 1), parts: [sizes[i + 1] || 0] }));
   barChart("c-batches", bySize, ["batches by size (texts)"]);
-  lineChart("c-queue", t, [{ name: "queue depth", values: col("queue_depth_max") }], { zeroIsData: true });
+  lineChart("c-queue", t, [{ name: "queue depth", values: col("queue_depth_max") }], { zeroIsData: true, step });
   barChart("c-tiers", series.map((p) => ({ label: "", parts: [p.tiers.low, p.tiers.medium, p.tiers.high] })), ["low", "medium", "high"]);
   lineChart("c-savings", t, [
     { name: "spent", values: perSec("spent_s") },
     { name: "saved by batching", values: perSec("saved_batch_s") },
     { name: "saved by cache", values: perSec("saved_cache_s") },
-  ]);
+  ], { step });
   summary(m, s);
 }
 
