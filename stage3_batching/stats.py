@@ -1,0 +1,60 @@
+"""What the batcher reports: one record per model call, and running totals for /v1/batcher/metrics."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class BatchRecord:
+    """One model call, handed to observers (``Batcher(on_batch=...)``; stage 5 hooks in here)."""
+
+    size: int  # texts in the batch
+    padded_tokens: int  # rows x longest row: what the model computes
+    real_tokens: int  # sum of row lengths: what was asked for
+    tier: str  # "low" | "medium" | "high"
+    queue_ms: list[float]  # per text: enqueued -> batch start
+    inference_ms: float
+    error: str | None  # exception type name when the model raised
+
+
+@dataclass(slots=True)
+class BatcherStats:
+    batches: int = 0
+    texts: int = 0
+    padded_tokens: int = 0
+    real_tokens: int = 0
+    failed_batches: int = 0
+    skipped_texts: int = 0  # cancelled or past their deadline, dropped before the model
+    tiers: Counter[str] = field(default_factory=Counter)
+    sizes: Counter[int] = field(default_factory=Counter)
+
+    def add(self, record: BatchRecord) -> None:
+        self.batches += 1
+        self.texts += record.size
+        self.padded_tokens += record.padded_tokens
+        self.real_tokens += record.real_tokens
+        self.failed_batches += record.error is not None
+        self.tiers[record.tier] += 1
+        self.sizes[record.size] += 1
+
+    @property
+    def padding_ratio(self) -> float:
+        """Share of the model's token slots spent on padding (0: none, 0.5: half the work wasted)."""
+        return 1 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "batches": self.batches,
+            "texts": self.texts,
+            "average_batch_size": self.texts / self.batches if self.batches else 0.0,
+            "batch_size_distribution": {str(k): v for k, v in sorted(self.sizes.items())},
+            "tiers": {t: self.tiers[t] for t in ("low", "medium", "high")},
+            "padded_tokens": self.padded_tokens,
+            "real_tokens": self.real_tokens,
+            "padding_ratio": round(self.padding_ratio, 4),
+            "failed_batches": self.failed_batches,
+            "skipped_texts": self.skipped_texts,
+        }
