@@ -9,8 +9,7 @@ Layers in front of stage 3's batcher (imported, not copied); a text goes through
 5. stage 3's batcher, with the request's deadline: a text whose deadline passes while queued,
    or whose client has gone, is dropped before the model.
 
-On SIGTERM readiness turns 503, uvicorn stops accepting and finishes what it admitted, then
-the batcher empties its queue and the Redis pool closes (all within DRAIN_TIMEOUT_S).
+On SIGTERM it drains (``drain.py``): readiness 503, admitted requests finish, the pool closes.
 
     make stage4                                   # in-process cache only
     CACHE_URL=redis://127.0.0.1:6379/0 make stage4  # two tiers, shared by every replica
@@ -23,13 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -44,6 +39,7 @@ from stage3_batching.app import BatchingBackend, add_batcher_routes
 from stage3_batching.batcher import BatchRecord
 from stage4_cache_backpressure.admission import Admission
 from stage4_cache_backpressure.cache import Cache, CacheStats, cache_key
+from stage4_cache_backpressure.drain import chain_signal_handlers
 from stage4_cache_backpressure.singleflight import LeaderGone, SingleFlight
 
 log = logging.getLogger("embedserve.stage4")
@@ -82,18 +78,17 @@ class CacheBackend(BatchingBackend):
         self.cache = Cache(settings, engine.dimensions, self.stats.cache)  # NEW: two tiers
         self.flights: SingleFlight[np.ndarray] = SingleFlight()  # NEW: one computation per text
         # NEW: the bounded queue, measured on the batcher's own queue
-        self.admission = Admission(settings.max_queue, settings.overload_status, self._queue_depth)
+        self.admission = Admission(
+            settings.max_queue, settings.overload_status, lambda: self.batcher.queue_depth
+        )
         self.draining = False
         self._drain_on_signal = drain_on_signal
-
-    def _queue_depth(self) -> int:
-        return self.batcher.queue_depth
 
     async def start(self) -> None:
         await super().start()
         await self.cache.start()
         if self._drain_on_signal:
-            _chain_signal_handlers(self.begin_drain)
+            chain_signal_handlers(self.begin_drain)  # NEW: SIGTERM starts the drain
 
     async def close(self) -> None:
         await super().close()  # the batcher answers everything queued first
@@ -150,83 +145,60 @@ class CacheBackend(BatchingBackend):
 
     # --8<-- [start:embed]
     async def _embed(self, job: EmbedJob) -> EmbedResult:
-        n = len(job.texts)
         model, sha = self.engine.model_id, self.engine.model_sha256
         keys = [cache_key(model, sha, job.normalize, text) for text in job.texts]
-        out = np.empty((n, self.engine.dimensions), np.float32)
-        tally: Counter[str] = Counter()
-        todo = list(range(n))
+        answer = _Answer(np.empty((len(keys), self.engine.dimensions), np.float32))
+        todo = list(range(len(keys)))
         use_cache = job.use_cache and self.cache.enabled
         if use_cache:  # 1. memory tier
-            found = self.cache.get_local(keys)
-            for i, vector in enumerate(found):
-                if vector is not None:
-                    out[i] = vector
-                    tally["hit"] += 1
-            todo = [i for i, vector in enumerate(found) if vector is None]
+            todo = answer.fill(todo, self.cache.get_local(keys))
         else:
             self.stats.bypassed += 1
-        lead: list[tuple[int, asyncio.Future[np.ndarray] | None]] = []
-        follow: list[tuple[int, asyncio.Future[np.ndarray] | None]] = []
+        lead: list[int] = []
+        follow: list[tuple[int, asyncio.Future[np.ndarray]]] = []
         for i in todo:  # 2. single-flight (opted-out requests compute their own)
             flight = self.flights.join(keys[i]) if use_cache else None
-            (lead if flight is None else follow).append((i, flight))
-        timings: dict[str, float] = {}
-        headers: dict[str, str] = {}
-        if lead:
-            indices = [i for i, _ in lead]
-            led = [keys[i] for i in indices] if use_cache else []  # the flights this request owns
-            try:
-                await self._lead(job, keys, indices, out, tally, timings, headers, use_cache)
-            except asyncio.CancelledError:
-                self.flights.fail(led, LeaderGone())
-                raise
-            except APIError as exc:  # a 504 is the leader's own deadline: followers try again
-                self.flights.fail(led, LeaderGone() if exc.status == 504 else exc)
-                raise
-            except Exception as exc:
-                error = APIError(500, f"the model failed on this request: {type(exc).__name__}")
-                self.flights.fail(led, error)
-                raise error from exc
+            lead.append(i) if flight is None else follow.append((i, flight))
+        led = [keys[i] for i in lead] if use_cache else []  # the flights this request owns
+        try:
+            if lead:
+                await self._lead(job, keys, lead, answer, use_cache)
+        except asyncio.CancelledError:
+            self.flights.fail(led, LeaderGone())
+            raise
+        except APIError as exc:  # a 504 is the leader's own deadline: followers try again
+            self.flights.fail(led, LeaderGone() if exc.status == 504 else exc)
+            raise
+        except Exception as exc:
+            error = APIError(500, f"the model failed on this request: {type(exc).__name__}")
+            self.flights.fail(led, error)
+            raise error from exc
         for i, flight in follow:
-            assert flight is not None
-            out[i] = await self._follow(job, i, flight)
-            tally["shared"] += 1
+            answer.vectors[i] = await self._follow(job, i, flight)
         self.stats.deduplicated += len(follow)
-        headers.update(_cache_headers(tally, n, use_cache))
-        return EmbedResult(out, timings=timings, headers=headers)
+        answer.headers.update(_cache_headers(answer.hits, len(keys), use_cache))
+        return EmbedResult(answer.vectors, timings=answer.timings, headers=answer.headers)
 
     async def _lead(
-        self,
-        job: EmbedJob,
-        keys: list[str],
-        indices: list[int],
-        out: np.ndarray,
-        tally: Counter[str],
-        timings: dict[str, float],
-        headers: dict[str, str],
-        use_cache: bool,
+        self, job: EmbedJob, keys: list[str], todo: list[int], answer: _Answer, use_cache: bool
     ) -> None:
         if use_cache and self.cache.redis is not None:  # 3. Redis tier, once for all followers
-            found = await self.cache.get_remote([keys[i] for i in indices])
-            for i, vector in zip(indices, found, strict=True):
+            found = await self.cache.get_remote([keys[i] for i in todo])
+            for i, vector in zip(todo, found, strict=True):
                 if vector is not None:
-                    out[i] = vector
-                    tally["hit"] += 1
                     self.flights.resolve(keys[i], vector)
-            indices = [i for i, v in zip(indices, found, strict=True) if v is None]
-        if not indices:
+            todo = answer.fill(todo, found)
+        if not todo:
             return
         if job.deadline is not None and time.monotonic() >= job.deadline:
             raise APIError(504, "request deadline passed before the model was reached")
-        self.admission.check(len(indices))  # 4. bounded queue: 503 now, never a long wait
-        outcome = await self.batcher.submit([job.tokens[i] for i in indices], deadline=job.deadline)
+        self.admission.check(len(todo))  # 4. bounded queue: 503 now, never a long wait
+        outcome = await self.batcher.submit([job.tokens[i] for i in todo], deadline=job.deadline)
         vectors = l2_normalize(outcome.vectors) if job.normalize else outcome.vectors
-        out[indices] = vectors
-        tally["computed"] += len(indices)
-        timings.update(queue_ms=outcome.queue_ms, inference_ms=outcome.inference_ms)
-        headers["x-batch-size"] = ",".join(map(str, outcome.batch_sizes))
-        new_keys = [keys[i] for i in indices]
+        answer.vectors[todo] = vectors
+        answer.timings.update(queue_ms=outcome.queue_ms, inference_ms=outcome.inference_ms)
+        answer.headers["x-batch-size"] = ",".join(map(str, outcome.batch_sizes))
+        new_keys = [keys[i] for i in todo]
         await self.cache.put(new_keys, vectors)  # an opted-out answer still refreshes the cache
         if use_cache:
             for key, vector in zip(new_keys, vectors, strict=True):
@@ -246,8 +218,28 @@ class CacheBackend(BatchingBackend):
     # --8<-- [end:embed]
 
 
-def _cache_headers(tally: Counter[str], n: int, use_cache: bool) -> dict[str, str]:
-    hits = tally["hit"]
+@dataclass(slots=True)
+class _Answer:
+    """One request's vectors as the tiers fill them in, and what to say about it."""
+
+    vectors: np.ndarray
+    hits: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def fill(self, rows: list[int], found: list[np.ndarray | None]) -> list[int]:
+        """Take the vectors a cache tier found; return the rows still missing."""
+        missing = []
+        for row, vector in zip(rows, found, strict=True):
+            if vector is None:
+                missing.append(row)
+            else:
+                self.vectors[row] = vector
+                self.hits += 1
+        return missing
+
+
+def _cache_headers(hits: int, n: int, use_cache: bool) -> dict[str, str]:
     state = "bypass" if not use_cache else "hit" if hits == n else "miss" if hits == 0 else "partial"
     return {"x-cache": state, "x-cache-hits": str(hits), "x-cache-misses": str(n - hits)}
 
@@ -268,21 +260,6 @@ def _log_to_stderr(level: str) -> None:
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
         root.addHandler(handler)
         root.setLevel(level)
-
-
-def _chain_signal_handlers(on_signal: Callable[[], None]) -> None:
-    """Run ``on_signal`` first on SIGTERM/SIGINT, then uvicorn's own handler (which starts its shutdown)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        previous = signal.getsignal(sig)
-
-        def handler(signum: int, frame: FrameType | None, previous: Any = previous) -> None:
-            on_signal()
-            if callable(previous):
-                previous(signum, frame)
-
-        signal.signal(sig, handler)
 
 
 def make_backend(engine: Engine, settings: Settings) -> CacheBackend:

@@ -1,22 +1,16 @@
-"""The stage 4 cache: a key that pins the model, an in-process LRU, a Redis tier in front of both.
+"""The stage 4 cache: a key that pins the model, an in-process LRU, and the two tiers together.
 
 * ``cache_key``: SHA-256 of model id, the served ONNX file's digest, the normalize flag
   and the exact text, so a new model (or a re-quantized one) never serves old vectors.
 * ``MemoryCache``: an LRU bounded in entries and in bytes, with a TTL. No server needed.
-* ``RedisCache``: redis-py asyncio, one connection pool for the process (opened in
-  ``start``, closed in ``close``), MGET for lookups and one pipeline of ``SET EX`` for
-  writes. It *fails open*: a Redis that is down, slow (CACHE_TIMEOUT_MS) or returns
-  garbage costs a miss, a counted error and at most one log line per interval.
-* ``Cache``: the two tiers together, the memory tier in front.
+* ``Cache``: the memory tier in front of the Redis tier (``redis_cache.py``) when CACHE_URL is set.
 
 Values are float32 bytes (1536 bytes for 384 dims), not JSON lists.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
@@ -24,12 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from common.settings import Settings
-
-log = logging.getLogger("embedserve.cache")
+from stage4_cache_backpressure.redis_cache import RedisCache
 
 KEY_PREFIX = "emb:v1:"
 # Per-entry bookkeeping the byte bound counts on top of key and value (tuple, dict slot, headers).
@@ -133,134 +124,6 @@ def _size(key: str, value: bytes) -> int:
 
 
 # --8<-- [end:memory]
-
-
-# --8<-- [start:redis]
-class RedisCache:
-    """The shared tier. Every call is bounded by CACHE_TIMEOUT_MS and fails open."""
-
-    def __init__(
-        self,
-        url: str,
-        ttl_s: int,
-        timeout_ms: float,
-        value_bytes: int,
-        stats: CacheStats,
-        *,
-        max_connections: int = 32,
-        backoff_s: float = 1.0,
-        log_interval_s: float = 10.0,
-    ) -> None:
-        self.url, self.ttl_s, self.timeout_s = url, ttl_s, timeout_ms / 1e3
-        self.value_bytes, self.stats = value_bytes, stats
-        self.max_connections = max_connections
-        self.backoff_s, self.log_interval_s = backoff_s, log_interval_s
-        self.client: aioredis.Redis | None = None
-        self._down_until = 0.0  # after an error, skip Redis for backoff_s instead of paying the timeout
-        self._failures_unlogged = 0
-        self._last_log = float("-inf")
-        self._failing = False
-
-    async def start(self) -> None:
-        # ONE pool for the process, opened here (the lifespan), never per request: a new
-        # connection per command costs a TCP (and TLS) handshake every time (measured in docs).
-        pool = aioredis.BlockingConnectionPool.from_url(
-            self.url,
-            max_connections=self.max_connections,
-            timeout=None,  # waiting for a free connection is bounded by the call's timeout below
-            socket_connect_timeout=self.timeout_s,
-            socket_timeout=max(self.timeout_s, 1.0),
-        )
-        self.client = aioredis.Redis.from_pool(pool)
-
-    async def close(self) -> None:
-        if self.client is not None:
-            await self.client.aclose()  # closes the pool's connections too
-            self.client = None
-            log.info("redis cache pool closed")
-
-    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        """One MGET; on any failure every key is a miss."""
-        if self.client is None or not keys:
-            return [None] * len(keys)
-        if time.monotonic() < self._down_until:
-            self.stats.skipped += 1
-            return [None] * len(keys)
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                raw = await self.client.mget(keys)
-            if not isinstance(raw, list) or len(raw) != len(keys):
-                raise _Garbage(f"MGET returned {type(raw).__name__} for {len(keys)} keys")
-        except Exception as exc:
-            self._failed(exc)
-            return [None] * len(keys)
-        self._recovered()
-        values: list[bytes | None] = []
-        for value in raw:
-            if value is not None and (not isinstance(value, bytes) or len(value) != self.value_bytes):
-                self._failed(_Garbage(f"value of {len(value)} bytes, expected {self.value_bytes}"))
-                value = None  # the model recomputes it and the write below overwrites it
-            values.append(value)
-        hits = sum(v is not None for v in values)
-        self.stats.hits["redis"] += hits
-        self.stats.misses["redis"] += len(keys) - hits
-        return values
-
-    async def put_many(self, items: dict[str, bytes]) -> None:
-        """One pipeline of ``SET key value EX ttl``; a failure only costs the write."""
-        if self.client is None or not items or time.monotonic() < self._down_until:
-            return
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                async with self.client.pipeline(transaction=False) as pipe:
-                    for key, value in items.items():
-                        pipe.set(key, value, ex=self.ttl_s)
-                    await pipe.execute()
-        except Exception as exc:
-            self._failed(exc)
-            return
-        self.stats.writes["redis"] += len(items)
-        self._recovered()
-
-    def _failed(self, exc: BaseException) -> None:
-        kind = _kind(exc)
-        self.stats.errors[kind] += 1
-        if kind != "garbage":
-            self._down_until = time.monotonic() + self.backoff_s
-        self._failing = True
-        self._failures_unlogged += 1
-        now = time.monotonic()
-        if now - self._last_log >= self.log_interval_s:  # one line per interval, not one per request
-            log.warning(
-                "redis cache %s (%s: %s); %d failure(s) since the last report; answering from the model",
-                kind,
-                type(exc).__name__,
-                exc,
-                self._failures_unlogged,
-            )
-            self._last_log, self._failures_unlogged = now, 0
-
-    def _recovered(self) -> None:
-        if self._failing:
-            self._failing = False
-            log.warning("redis cache is answering again")
-
-
-class _Garbage(Exception):
-    pass
-
-
-def _kind(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "timeout"
-    if isinstance(exc, _Garbage):
-        return "garbage"
-    if isinstance(exc, (ConnectionError, OSError)) or "Connection" in type(exc).__name__:
-        return "connection"
-    return "error" if isinstance(exc, RedisError) else type(exc).__name__
-
-
-# --8<-- [end:redis]
 
 
 # --8<-- [start:tiers]

@@ -16,9 +16,9 @@ from stage4_cache_backpressure.cache import (
     Cache,
     CacheStats,
     MemoryCache,
-    RedisCache,
     cache_key,
 )
+from stage4_cache_backpressure.redis_cache import RedisCache
 
 DIM = 384
 VALUE_BYTES = DIM * 4
