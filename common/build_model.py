@@ -53,9 +53,12 @@ class StaticRecipe:
     activations: str = "QUInt8"  # QUInt8 (asymmetric) or QInt8 (symmetric)
     exclude: tuple[str, ...] = ()  # regexes of node names that stay fp32
     pad_calibration: bool = True  # calibrate on texts padded to the longest, or each at its length
+    symmetric_ranges: bool | None = None  # calibrated ranges symmetric around 0 (None: ORT's default)
 
     def describe(self) -> str:
         calib = self.calibration + (f" p{self.percentile}" if self.calibration == "Percentile" else "")
+        if self.symmetric_ranges is not None:
+            calib += " symmetric" if self.symmetric_ranges else " asymmetric"
         kept = f", fp32: {' '.join(self.exclude)}" if self.exclude else ""
         padded = "padded" if self.pad_calibration else "unpadded"
         return (
@@ -231,6 +234,11 @@ def quantize_static(
         extra_options={
             "CalibPercentile": recipe.percentile,
             "ActivationSymmetric": recipe.activations == "QInt8",
+            **(
+                {}
+                if recipe.symmetric_ranges is None
+                else {"CalibTensorRangeSymmetric": recipe.symmetric_ranges}
+            ),
             # One text per calibration pass when unpadded (ORT's name says MinMax; it serves all).
             **({} if recipe.pad_calibration else {"CalibStridedMinMax": 1}),
         },
