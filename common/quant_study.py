@@ -1,0 +1,388 @@
+"""How good can static INT8 get? Quantize recipes and measure each against fp32 and dynamic INT8.
+
+    python -m common.quant_study --stsb ../shared/data/stsb/sts-dev.csv      (= make quant-study)
+
+Each static recipe (calibration method, padding, format, activation type, nodes kept in fp32)
+is quantized from the built fp32 model into a temporary folder and measured like the build's
+quality gate measures (mean and minimum cosine to fp32, STS-B Spearman), plus file size, load
+time, texts/s at batch 1 and 32, and batch invariance (a text alone against the same text in a
+padded batch of mixed lengths). Rounds build on each other: calibrations first, then format and
+activation type on the best calibration, then nodes kept in fp32 on the best so far.
+
+Writes docs/results/quantization.json, docs/results/quantization.md (tables for the docs) and
+docs/img/quantization.png. Needs a built model (`make model`); takes about ten minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common import build_model, corpus
+from common.build_model import StaticRecipe
+from common.engine import Engine
+from common.machine import machine_info
+from common.settings import REPO_ROOT, get_settings
+
+RESULTS = REPO_ROOT / "docs" / "results"
+SPEED_MARGIN = 1.05  # static must beat dynamic by this factor to become the default (beyond noise)
+# Node families that may stay fp32 (regexes over the ONNX node names of a BERT export).
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "ffn-out": (r"/layer\.\d+/output/dense/MatMul$",),  # the MatMul after GELU: widest activations
+    "attn-scores": (r"/attention/self/MatMul(_1)?$",),  # QK^T and softmax x V: activation x activation
+    "first-last": (r"/layer\.0/", r"/layer\.5/"),
+}
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.asarray((a * b).sum(axis=1), dtype=np.float64)
+
+
+class _Study:
+    def __init__(self, model_dir: Path, workdir: Path, stsb: Path | None, stsb_limit: int | None) -> None:
+        # A model folder the Engine can load any variant from: the built files plus our static ones.
+        self.dir = workdir / "model"
+        self.dir.mkdir()
+        for name in ("manifest.json", "tokenizer.json"):
+            shutil.copyfile(model_dir / name, self.dir / name)
+        for variant in ("fp32", "int8-dynamic", "int8-static"):
+            (self.dir / variant).symlink_to((model_dir / variant).resolve())
+        self.fp32 = self.dir / "fp32" / "model.onnx"
+        self.max_tokens = int(json.loads((self.dir / "manifest.json").read_text())["max_tokens"])
+        self.cache_dir = workdir / "calibration"
+        self.cache_dir.mkdir()
+        self.sentences = build_model.quality_sentences()
+        self.pairs = build_model.load_stsb(stsb) if stsb else None
+        if self.pairs is not None and stsb_limit:
+            self.pairs = (self.pairs[0][:stsb_limit], self.pairs[1][:stsb_limit], self.pairs[2][:stsb_limit])
+        self.reference = build_model.embed_all(Engine(self.dir, "fp32"), self.sentences)
+        self.results: dict[str, dict[str, Any]] = {}
+
+    def quantize(self, name: str, recipe: StaticRecipe) -> float:
+        calib = recipe.calibration + (f"-{recipe.percentile}" if recipe.calibration == "Percentile" else "")
+        calib += f"-{recipe.calibration_texts}-pad{int(recipe.pad_calibration)}-sym{recipe.symmetric_ranges}"
+        cache = self.cache_dir / f"{calib}.json"
+        t0 = time.perf_counter()
+        build_model.quantize_static(
+            self.fp32,
+            self.dir / name / "model.onnx",
+            self.dir / "tokenizer.json",
+            self.max_tokens,
+            recipe,
+            cache,
+        )
+        return time.perf_counter() - t0
+
+    def measure_quality(self, name: str, kind: str, recipe: StaticRecipe | None, note: str) -> dict[str, Any]:
+        engine = Engine(self.dir, name)
+        entry: dict[str, Any] = {"name": name, "kind": kind, "note": note}
+        entry["recipe"] = asdict(recipe) if recipe else None
+        entry["bytes"] = (self.dir / name / "model.onnx").stat().st_size
+        if kind != "fp32":
+            cos = _cosines(self.reference, build_model.embed_all(engine, self.sentences))
+            entry |= {"mean_cosine_to_fp32": float(cos.mean()), "min_cosine_to_fp32": float(cos.min())}
+        if self.pairs is not None:
+            entry["stsb_spearman_x100"] = build_model.stsb_spearman(engine, self.pairs)
+        entry["batch_invariance_min_cosine"] = batch_invariance(engine)
+        self.results[name] = entry
+        fp32 = self.results.get("fp32", entry)
+        if kind != "fp32":
+            failures = []
+            if entry["mean_cosine_to_fp32"] < build_model.GATE_MEAN_COSINE:
+                failures.append("mean cosine")
+            if self.pairs is not None:
+                entry["stsb_drop"] = fp32["stsb_spearman_x100"] - entry["stsb_spearman_x100"]
+                if entry["stsb_drop"] > build_model.GATE_STSB_POINTS:
+                    failures.append("STS-B")
+            entry["gate_failures"] = failures
+        print(f"  {name:28s} " + _line(entry), flush=True)
+        return entry
+
+    def static(self, name: str, recipe: StaticRecipe, note: str) -> dict[str, Any]:
+        try:
+            seconds = self.quantize(name, recipe)
+        except Exception as exc:  # a recipe ORT rejects is a result too
+            print(f"  {name:28s} failed: {exc}", flush=True)
+            self.results[name] = {"name": name, "kind": "static", "note": note, "error": str(exc)}
+            return self.results[name]
+        entry = self.measure_quality(name, "static", recipe, note)
+        entry["quantize_s"] = seconds
+        return entry
+
+    def best(self, names: list[str]) -> str:
+        done = [n for n in names if "mean_cosine_to_fp32" in self.results[n]]
+        return max(done, key=lambda n: self.results[n]["mean_cosine_to_fp32"])
+
+
+def _line(entry: dict[str, Any]) -> str:
+    keys = ("mean_cosine_to_fp32", "min_cosine_to_fp32", "stsb_spearman_x100", "batch_invariance_min_cosine")
+    return "  ".join(f"{k.split('_to')[0]}={entry[k]:.4f}" for k in keys if k in entry)
+
+
+def batch_invariance(engine: Engine) -> float:
+    """Lowest cosine between a text embedded alone and inside one padded batch of mixed lengths."""
+    texts = corpus.texts(24, seed=11, kind="mixed")
+    batched = engine.embed(texts).vectors
+    alone = np.concatenate([engine.embed([t]).vectors for t in texts])
+    return float(_cosines(alone, batched).min())
+
+
+def speed(study: _Study, names: list[str], rounds: int) -> None:
+    """Load time and model throughput at batch 1 and 32, one ONNX thread, variants interleaved.
+
+    The machine is shared, so wall-clock time measures the neighbours too. With one intra-op
+    thread ONNX Runtime computes on the calling thread, and that thread's CPU time is what the
+    model itself costs: texts per CPU-second (median of rounds) is what the decision uses.
+    Wall-clock texts/s (best of rounds) is kept beside it.
+    """
+    tokenizer = Engine(study.dir, "fp32").tokenize
+    singles = [t.ids for t in tokenizer(corpus.texts(24, seed=12, kind="sentence"))]
+    batches = [[t.ids for t in tokenizer(corpus.texts(32, seed=13 + i, kind="mixed"))] for i in range(2)]
+    calls = {"b1": [[ids] for ids in singles], "b32": batches}
+    samples: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    for _ in range(rounds):
+        for name in names:
+            engine = Engine(study.dir, name, intra_threads=1)
+            samples[name].setdefault("load", []).append(engine.load_seconds)
+            engine.run(batches[0][:4])  # warm-up
+            for key, batch_list in calls.items():
+                texts = sum(len(b) for b in batch_list)
+                cpu, wall = time.thread_time(), time.perf_counter()
+                for batch in batch_list:
+                    engine.run(batch)
+                samples[name].setdefault(f"{key}_cpu", []).append(texts / (time.thread_time() - cpu))
+                samples[name].setdefault(f"{key}_wall", []).append(texts / (time.perf_counter() - wall))
+            del engine
+    for name in names:
+        got = samples[name]
+        study.results[name] |= {
+            "load_s": statistics.median(got["load"]),
+            "texts_per_cpu_s_b1": statistics.median(got["b1_cpu"]),
+            "texts_per_cpu_s_b32": statistics.median(got["b32_cpu"]),
+            "texts_per_s_b1_wall_best": max(got["b1_wall"]),
+            "texts_per_s_b32_wall_best": max(got["b32_wall"]),
+        }
+        r = study.results[name]
+        print(
+            f"  {name:28s} load={r['load_s']:.2f}s  per CPU-second: b1={r['texts_per_cpu_s_b1']:.0f}"
+            f"  b32={r['texts_per_cpu_s_b32']:.0f}  wall best: b1={r['texts_per_s_b1_wall_best']:.0f}"
+            f"  b32={r['texts_per_s_b32_wall_best']:.0f}",
+            flush=True,
+        )
+
+
+def decide(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The fastest static recipe that passes the gates, if it beats dynamic at batch 32."""
+    dynamic = results["int8-dynamic"]
+    passing = [r for r in results.values() if r["kind"] == "static" and r.get("gate_failures") == []]
+    if not passing:
+        return {"default": "int8-dynamic", "static": None, "why": "no static recipe passes the quality gates"}
+    fastest = max(passing, key=lambda r: r["texts_per_cpu_s_b32"])
+    if fastest["texts_per_cpu_s_b32"] < SPEED_MARGIN * dynamic["texts_per_cpu_s_b32"]:
+        why = (
+            f"no static recipe that passes the gates is {SPEED_MARGIN - 1:.0%} faster than dynamic"
+            " at batch 32 (texts per CPU-second)"
+        )
+        return {"default": "int8-dynamic", "static": fastest["name"], "why": why}
+    return {"default": "int8-static", "static": fastest["name"], "why": "passes the gates and is faster"}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The tables the docs include (docs/results/quantization.md, named sections)."""
+    rows = report["variants"]
+    fp32_bytes = next(r["bytes"] for r in rows if r["name"] == "fp32")
+    out = [
+        f"<!-- generated by `{report['command']}` on {report['machine']['cpu']}"
+        f" ({report['machine']['cores']} cores), {report['machine']['date']}; do not edit -->",
+        "<!-- --8<-- [start:table] -->",
+        "| variant | recipe | MB | load s | texts/CPU-s b1 | texts/CPU-s b32 | texts/s b32 (wall, best)"
+        " | mean cos | min cos | STS-B | batch inv. min cos | gates |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['name']} | {r['note']} | failed: {r['error'][:60]} ||||||||||")
+            continue
+        gates = (
+            ""
+            if r["kind"] == "fp32"
+            else ("pass" if not r["gate_failures"] else ", ".join(r["gate_failures"]))
+        )
+        cos = (
+            ("—", "—")
+            if r["kind"] == "fp32"
+            else (f"{r['mean_cosine_to_fp32']:.4f}", f"{r['min_cosine_to_fp32']:.4f}")
+        )
+        out.append(
+            f"| {r['name']} | {r['note']} | {r['bytes'] / 1e6:.1f} | {r['load_s']:.2f}"
+            f" | {r['texts_per_cpu_s_b1']:.0f} | {r['texts_per_cpu_s_b32']:.0f}"
+            f" | {r['texts_per_s_b32_wall_best']:.0f} | {cos[0]} | {cos[1]}"
+            f" | {r.get('stsb_spearman_x100', float('nan')):.2f}"
+            f" | {r['batch_invariance_min_cosine']:.5f} | {gates} |"
+        )
+    out.append("<!-- --8<-- [end:table] -->")
+    d = report["decision"]
+    summary = [f"Default INT8 chosen from this run: **{d['default']}** ({d['why']})."]
+    if d["static"]:
+        s = next(r for r in rows if r["name"] == d["static"])
+        summary.append(
+            f"Best static recipe that passes the gates: `{s['name']}` ({s['note']}),"
+            f" {s['texts_per_cpu_s_b32']:.0f} texts per CPU-second at batch 32,"
+            f" {s['bytes'] / fp32_bytes:.0%} of the fp32 file size."
+        )
+    out += ["<!-- --8<-- [start:decision] -->", " ".join(summary), "<!-- --8<-- [end:decision] -->", ""]
+    return "\n".join(out)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["variants"] if "error" not in r and r["kind"] != "fp32"]
+    fp32 = next(r for r in report["variants"] if r["name"] == "fp32")
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in rows:
+        colour = "tab:green" if not r["gate_failures"] else "tab:red"
+        marker = "s" if r["kind"] == "dynamic" else "o"
+        ax.scatter(r["mean_cosine_to_fp32"], r["texts_per_cpu_s_b32"], c=colour, marker=marker)
+        ax.annotate(
+            r["name"],
+            (r["mean_cosine_to_fp32"], r["texts_per_cpu_s_b32"]),
+            fontsize=7,
+            xytext=(4, 2),
+            textcoords="offset points",
+        )
+    ax.axvline(build_model.GATE_MEAN_COSINE, color="grey", linestyle="--", linewidth=1)
+    ax.axhline(fp32["texts_per_cpu_s_b32"], color="tab:blue", linestyle=":", linewidth=1)
+    ax.text(ax.get_xlim()[0], fp32["texts_per_cpu_s_b32"], " fp32", color="tab:blue", va="bottom", fontsize=8)
+    ax.set_xlabel("mean cosine to fp32 (gate: 0.99, dashed)")
+    ax.set_ylabel("texts per CPU-second at batch 32 (one ONNX thread)")
+    ax.set_title("INT8 recipes: quality against speed (green passes both gates; square: dynamic)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    base = StaticRecipe(pad_calibration=False)
+    with tempfile.TemporaryDirectory(prefix="quant-study-") as tmp:
+        study = _Study(args.model_dir, Path(tmp), args.stsb, args.stsb_limit)
+        print("reference variants", flush=True)
+        study.measure_quality("fp32", "fp32", None, "export, no quantization")
+        study.measure_quality("int8-dynamic", "dynamic", None, "weights per-channel, activations per call")
+        built = json.loads((study.dir / "manifest.json").read_text())["quantization"]["int8-static"]
+        study.measure_quality("int8-static", "static", None, f"as built: {built['activations']}")
+        print("round 1: calibration", flush=True)
+        round1 = {
+            "s-pct99.999": (base, "Percentile 99.999"),
+            "s-pct99.99": (replace(base, percentile=99.99), "Percentile 99.99"),
+            "s-pct99.999-asym": (
+                replace(base, symmetric_ranges=False),
+                "Percentile 99.999, asymmetric ranges",
+            ),
+            "s-pct99.99-asym": (
+                replace(base, percentile=99.99, symmetric_ranges=False),
+                "Percentile 99.99, asymmetric ranges",
+            ),
+            "s-minmax": (replace(base, calibration="MinMax"), "MinMax"),
+            "s-entropy": (replace(base, calibration="Entropy"), "Entropy"),
+        }
+        if args.quick:
+            round1 = dict(list(round1.items())[:1])
+        for name, (recipe, note) in round1.items():
+            study.static(name, recipe, note)
+        best = study.best(list(round1))
+        best_recipe, best_note = round1[best]
+        print(f"round 2: format and activation type on {best}", flush=True)
+        round2 = {
+            f"{best}-qdq": (replace(best_recipe, quant_format="QDQ"), f"{best_note}, QDQ"),
+            f"{best}-qdq-s8": (
+                replace(best_recipe, quant_format="QDQ", activations="QInt8"),
+                f"{best_note}, QDQ, int8 symmetric activations",
+            ),
+        }
+        if args.quick:
+            round2 = {}
+        for name, (recipe, note) in round2.items():
+            study.static(name, recipe, note)
+        candidates = {**round1, **round2}
+        best = study.best(list(candidates))
+        best_recipe, best_note = candidates[best]
+        print(f"round 3: node families kept in fp32, on {best}", flush=True)
+        round3: dict[str, tuple[StaticRecipe, str]] = {}
+        for fam in ("ffn-out", "attn-scores", "first-last"):
+            round3[f"{best}+fp32-{fam}"] = (
+                replace(best_recipe, exclude=FAMILIES[fam]),
+                f"{best_note}, {fam} kept fp32",
+            )
+        both = FAMILIES["ffn-out"] + FAMILIES["attn-scores"]
+        round3[f"{best}+fp32-ffn-attn"] = (
+            replace(best_recipe, exclude=both),
+            f"{best_note}, ffn-out and attn-scores kept fp32",
+        )
+        if args.quick:
+            round3 = dict(list(round3.items())[:1])
+        for name, (recipe, note) in round3.items():
+            study.static(name, recipe, note)
+        candidates |= round3
+        best = study.best(list(candidates))
+        best_recipe, best_note = candidates[best]
+        if not args.quick:
+            print(f"round 4: more calibration texts, on {best}", flush=True)
+            name = f"{best}-512texts"
+            study.static(name, replace(best_recipe, calibration_texts=512), f"{best_note}, 512 texts")
+        print("speed (interleaved rounds, median)", flush=True)
+        names = [n for n, r in study.results.items() if "error" not in r]
+        speed(study, names, rounds=1 if args.quick else 3)
+        results = study.results
+    report: dict[str, Any] = {
+        "command": "python -m common.quant_study" + (" --stsb <sts-dev.csv>" if args.stsb else ""),
+        "machine": machine_info(),
+        "gates": {"mean_cosine": build_model.GATE_MEAN_COSINE, "stsb_points": build_model.GATE_STSB_POINTS},
+        "sentences": len(study.sentences),
+        "stsb_pairs": len(study.pairs[2]) if study.pairs is not None else 0,
+        "build_recipe": asdict(build_model.STATIC_RECIPE),
+        "variants": list(results.values()),
+    }
+    report["decision"] = decide(results)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, default=get_settings().model_dir)
+    parser.add_argument("--stsb", type=Path, help="STS-benchmark csv (sentence1,sentence2,score)")
+    parser.add_argument("--stsb-limit", type=int, help="use only the first N pairs (quick checks)")
+    parser.add_argument("--quick", action="store_true", help="a few recipes, one speed round (smoke test)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "quantization.json")
+    parser.add_argument("--plot", type=Path, default=REPO_ROOT / "docs" / "img" / "quantization.png")
+    args = parser.parse_args(argv)
+    if args.stsb is not None and not args.stsb.exists():
+        parser.error(f"--stsb {args.stsb}: no such file")
+    t0 = time.perf_counter()
+    report = run(args)
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
+    plot(report, args.plot)
+    print(f"wrote {args.out}, {args.out.with_suffix('.md')}, {args.plot} in {report['seconds']} s")
+    print(f"decision: {report['decision']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
