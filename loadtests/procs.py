@@ -1,18 +1,29 @@
-"""A private redis-server for the fault tests and the soak run.
+"""Processes the fault tests, the soak run and the reliability report start and kill.
 
-The shared Redis on 6379 must never be stopped, so anything that kills, restarts or
-password-protects Redis starts its own on a free port, with persistence off.
+* ``redis_server``: a private redis-server. The shared Redis on 6379 must never be
+  stopped, so anything that kills, restarts or password-protects Redis starts its own on
+  a free port, with persistence off.
+* ``stage_process``: a server stage started with the command ``make stageN`` runs, on a
+  free port, that can be sent SIGTERM or SIGKILL and started again.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -73,3 +84,78 @@ def redis_server(password: str | None = None) -> Iterator[RedisProcess]:
         yield redis
     finally:
         redis.stop()
+
+
+@dataclass
+class StageProcess:
+    """A server stage run as ``make stageN`` runs it, on its own port, that can be killed and restarted."""
+
+    stage: str
+    env: dict[str, str]
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def start(self, ready_timeout: float = 120.0) -> float:
+        """Start and wait for ``/ready``; returns the seconds it took."""
+        started = time.monotonic()
+        env = {**os.environ, **self.env, "HOST": "127.0.0.1", "PORT": str(self.port)}
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "common.serve", self.stage],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        while time.monotonic() - started < ready_timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.stage} exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=1.0).status_code == 200:
+                    return time.monotonic() - started
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.stage} not ready after {ready_timeout} s:\n{self.log()}")
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.process is not None
+        self.process.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@contextmanager
+def stage_process(stage: str, log_dir: Path, env: dict[str, str] | None = None) -> Iterator[StageProcess]:
+    """A started stage, stopped (SIGTERM, then SIGKILL) on exit."""
+    server = StageProcess(stage, env or {}, log_dir / f"{stage}-{os.getpid()}-{free_port()}.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,233 @@
+"""Fault injection under load: Redis killed and restarted, SIGTERM, SIGKILL and restart.
+
+Each scenario starts its own server (and its own redis-server), injects one fault while
+clients are sending, and returns what happened as plain numbers. ``tests/test_faults.py``
+asserts on them; ``python -m loadtests.reliability`` writes them to the docs.
+
+* ``redis_restart``: the memory tier is off (CACHE_MAX_ITEMS=0), so every request goes
+  through Redis; Redis is SIGKILLed mid-load and started again. Requests must not fail
+  (the tier fails open) and Redis must serve hits again after it is back.
+* ``sigterm_drain``: a burst of slow requests is admitted (the server says so in
+  ``/v1/cache/metrics``), then SIGTERM. Every admitted request must get its 200; requests
+  sent after the signal are refused cleanly (connection refused or 503), never cut off.
+* ``sigkill_restart``: the server is SIGKILLed under load and started again on the same
+  port; it must come back ready, and with Redis the texts it embedded before are hits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from common import corpus
+from loadtests.procs import StageProcess, free_port, redis_server, stage_process
+
+
+@dataclass(slots=True)
+class Outcome:
+    started: float  # time.monotonic()
+    ended: float
+    status: int | None  # None: no HTTP answer
+    error: str | None  # the transport error, when there was no answer
+    cache: str | None  # x-cache header
+
+
+async def drive(
+    url: str,
+    workers: int,
+    stop: asyncio.Event,
+    body: Callable[[random.Random], dict[str, Any]],
+    outcomes: list[Outcome],
+    timeout_s: float = 60.0,
+) -> None:
+    """Closed-loop load: ``workers`` clients, each sending its next request when the last is answered."""
+
+    async def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    r = await client.post("/v1/embed", json=body(rng))
+                    outcome = Outcome(
+                        started, time.monotonic(), r.status_code, None, r.headers.get("x-cache")
+                    )
+                except httpx.TransportError as exc:
+                    outcome = Outcome(started, time.monotonic(), None, type(exc).__name__, None)
+                    await asyncio.sleep(0.05)  # a refused connection answers at once: do not spin
+                outcomes.append(outcome)
+
+    await asyncio.gather(*(worker(i) for i in range(workers)))
+
+
+def _statuses(outcomes: list[Outcome]) -> dict[str, int]:
+    return dict(Counter(str(o.status) if o.status is not None else o.error or "?" for o in outcomes))
+
+
+# --- Redis killed and restarted -----------------------------------------------------------
+def redis_restart(stage: str, log_dir: Path, phase_s: float = 3.0, workers: int = 6) -> dict[str, Any]:
+    pool = corpus.texts(120, seed=901, kind="sentence")
+
+    def body(rng: random.Random) -> dict[str, Any]:
+        return {"inputs": rng.sample(pool, rng.randint(1, 4))}
+
+    with redis_server() as redis:
+        env = {"CACHE_URL": redis.url, "CACHE_MAX_ITEMS": "0"}
+        with stage_process(stage, log_dir, env) as server:
+
+            async def run() -> tuple[list[Outcome], float, float]:
+                outcomes: list[Outcome] = []
+                stop = asyncio.Event()
+                load = asyncio.create_task(drive(server.url, workers, stop, body, outcomes))
+                await asyncio.sleep(phase_s)
+                killed = time.monotonic()
+                await asyncio.to_thread(redis.stop, True)  # SIGKILL: a crash, no goodbye
+                await asyncio.sleep(phase_s)
+                restarted = time.monotonic()
+                await asyncio.to_thread(redis.start)  # empty: persistence is off
+                await asyncio.sleep(phase_s * 1.5)
+                stop.set()
+                await load
+                return outcomes, killed, restarted
+
+            outcomes, killed, restarted = asyncio.run(run())
+            stats = httpx.get(f"{server.url}/v1/cache/metrics", timeout=10).json()["cache"]
+    failed = [o for o in outcomes if o.status != 200]
+    back = [o for o in outcomes if o.started > restarted + 1.5]  # the tier backs off 1 s after an error
+    return {
+        "stage": stage,
+        "requests": len(outcomes),
+        "during_outage": sum(killed <= o.started < restarted for o in outcomes),
+        "failed": len(failed),
+        "statuses": _statuses(outcomes),
+        "redis_errors": sum(stats["errors"].values()),
+        "redis_hits_after_restart": sum(o.cache in ("hit", "partial") for o in back),
+        "requests_after_restart": len(back),
+    }
+
+
+# --- SIGTERM: drain what was admitted -----------------------------------------------------
+def sigterm_drain(stage: str, log_dir: Path, burst: int = 12, texts_per_request: int = 24) -> dict[str, Any]:
+    rng = random.Random(902)
+    bodies = [
+        {"inputs": [corpus.passage(rng) for _ in range(texts_per_request)], "cache": False}
+        for _ in range(burst)
+    ]
+    with stage_process(stage, log_dir, {"DRAIN_TIMEOUT_S": "120"}) as server:
+
+        async def run() -> dict[str, Any]:
+            headers = {"x-request-timeout": "300"}
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+                tasks = [
+                    asyncio.create_task(client.post("/v1/embed", json=b, headers=headers)) for b in bodies
+                ]
+                # Gate on the server's own count: every burst request is inside the backend.
+                admitted = await _wait_for_active(client, burst)
+                signalled = time.monotonic()
+                server.signal(signal.SIGTERM)
+                after = await _probe_after_signal(server.url, probes=5)
+                answers = await asyncio.gather(*tasks, return_exceptions=True)
+            ok = [a for a in answers if isinstance(a, httpx.Response) and a.status_code == 200]
+            exit_code = await asyncio.to_thread(server.wait, 180)
+            return {
+                "admitted_before_sigterm": admitted,
+                "answered_200": len(ok),
+                "lost": burst - len(ok),
+                "drain_seconds": round(time.monotonic() - signalled, 2),
+                "after_sigterm": after,
+                "exit_code": exit_code,
+            }
+
+        result = asyncio.run(run())
+        log = server.log()
+    return {
+        "stage": stage,
+        "burst": burst,
+        "texts_per_request": texts_per_request,
+        **result,
+        "traceback_in_log": "Traceback" in log,
+    }
+
+
+async def _wait_for_active(client: httpx.AsyncClient, n: int, timeout_s: float = 120) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        active = int((await client.get("/v1/cache/metrics")).json()["active"])
+        if active >= n:
+            return active
+        await asyncio.sleep(0.01)
+    raise TimeoutError(f"only {active} of {n} requests admitted after {timeout_s} s")
+
+
+async def _probe_after_signal(url: str, probes: int) -> dict[str, int]:
+    """New requests after SIGTERM, each on a fresh connection: refused or 503, never a 5xx or a cut."""
+    seen: Counter[str] = Counter()
+    for _ in range(probes):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as fresh:
+            try:
+                r = await fresh.post("/v1/embed", json={"inputs": "after the signal"})
+                seen[str(r.status_code)] += 1
+            except httpx.ConnectError:
+                seen["refused"] += 1
+            except httpx.TransportError as exc:
+                seen[type(exc).__name__] += 1
+        await asyncio.sleep(0.1)
+    return dict(seen)
+
+
+# --- SIGKILL and restart ------------------------------------------------------------------
+def sigkill_restart(stage: str, log_dir: Path, with_redis: bool = True, n_texts: int = 40) -> dict[str, Any]:
+    texts = corpus.texts(n_texts, seed=903, kind="sentence")
+    pool = corpus.texts(200, seed=904, kind="sentence")
+
+    def body(rng: random.Random) -> dict[str, Any]:
+        return {"inputs": rng.sample(pool, 2)}
+
+    with redis_server() as redis:
+        env = {"CACHE_URL": redis.url} if with_redis else {}
+        server = StageProcess(stage, env, log_dir / f"{stage}-sigkill-{free_port()}.log")
+        server.start()
+        try:
+            first = httpx.post(f"{server.url}/v1/embed", json={"inputs": texts}, timeout=120)
+            first.raise_for_status()
+
+            async def kill_under_load() -> list[Outcome]:
+                outcomes: list[Outcome] = []
+                stop = asyncio.Event()
+                load = asyncio.create_task(drive(server.url, 4, stop, body, outcomes, timeout_s=10))
+                await asyncio.sleep(1.5)
+                server.signal(signal.SIGKILL)
+                await asyncio.to_thread(server.wait, 30)
+                await asyncio.sleep(0.5)
+                stop.set()
+                await load
+                return outcomes
+
+            during = asyncio.run(kill_under_load())
+            ready_s = server.start()  # the same port, as a supervisor would restart it
+            second = httpx.post(f"{server.url}/v1/embed", json={"inputs": texts}, timeout=120)
+            second.raise_for_status()
+        finally:
+            server.stop()
+    v1, v2 = np.asarray(first.json()["embeddings"]), np.asarray(second.json()["embeddings"])
+    return {
+        "stage": stage,
+        "with_redis": with_redis,
+        "requests_during_kill": len(during),
+        "ready_after_restart_s": round(ready_s, 2),
+        "cache_before": first.headers.get("x-cache"),
+        "cache_after_restart": second.headers.get("x-cache"),
+        "cache_hits_after_restart": int(second.headers.get("x-cache-hits", 0)),
+        "texts": n_texts,
+        "same_vectors": bool(np.allclose(v1, v2, atol=1e-6)),
+    }

@@ -1,0 +1,57 @@
+"""Faults injected under load, against the stages that have a cache and a drain (4 and 5).
+
+The scenarios live in ``loadtests/faults.py`` (the reliability report runs the same ones).
+Every Redis here is a private redis-server on a spare port; the shared one is never touched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import SERVER_STAGES
+
+from loadtests import faults
+
+STAGES = [s for s in SERVER_STAGES if s in ("stage4_cache_backpressure", "stage5_metrics")]
+
+
+def test_the_fault_stages_exist() -> None:
+    assert STAGES == ["stage4_cache_backpressure", "stage5_metrics"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_redis_killed_and_restarted_under_load(stage: str, tmp_path: Path) -> None:
+    result = faults.redis_restart(stage, tmp_path, phase_s=2.0)
+    assert result["failed"] == 0, result
+    assert result["during_outage"] > 0, "no request was sent while Redis was down"
+    assert result["redis_errors"] > 0, "the outage was not noticed: was Redis in the path at all?"
+    assert result["redis_hits_after_restart"] > 0, "Redis never served again after its restart"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_sigterm_loses_no_admitted_request(stage: str, tmp_path: Path) -> None:
+    result = faults.sigterm_drain(stage, tmp_path, burst=8, texts_per_request=12)
+    assert result["admitted_before_sigterm"] >= 8
+    assert result["lost"] == 0, result
+    assert result["answered_200"] == 8
+    # After the signal: refused at the door, or 503 while draining; never cut off, never a 500.
+    assert set(result["after_sigterm"]) <= {"refused", "503"}, result
+    assert result["exit_code"] in (0, -15), result  # uvicorn re-raises SIGTERM after a clean drain
+    assert not result["traceback_in_log"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_sigkill_and_restart_comes_back_warm(stage: str, tmp_path: Path) -> None:
+    result = faults.sigkill_restart(stage, tmp_path, with_redis=True)
+    assert result["requests_during_kill"] > 0
+    assert result["cache_before"] == "miss"
+    assert result["cache_after_restart"] == "hit", result  # the memory tier died; Redis did not
+    assert result["cache_hits_after_restart"] == result["texts"]
+    assert result["same_vectors"]
+
+
+def test_sigkill_and_restart_without_redis_comes_back_cold(tmp_path: Path) -> None:
+    result = faults.sigkill_restart(STAGES[-1], tmp_path, with_redis=False)
+    assert result["cache_after_restart"] == "miss"  # nothing survived the process, as expected
+    assert result["same_vectors"]
