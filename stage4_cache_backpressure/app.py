@@ -152,7 +152,7 @@ class CacheBackend(BatchingBackend):
         use_cache = job.use_cache and self.cache.enabled
         if use_cache:  # 1. memory tier
             todo = answer.fill(todo, self.cache.get_local(keys))
-        else:
+        elif not job.use_cache:  # the client opted out (CACHE_ENABLED=false is not counted)
             self.stats.bypassed += 1
         lead: list[int] = []
         follow: list[tuple[int, asyncio.Future[np.ndarray]]] = []

@@ -112,6 +112,14 @@ async def test_opt_out_skips_the_cache_but_refreshes_it(make: Any, engine: Engin
     assert backend.stats.bypassed == 1
 
 
+async def test_cache_disabled_runs_the_model_every_time(make: Any, engine: Engine) -> None:
+    backend, gated = await make(cache_enabled=False)
+    text = [_new("no cache at all")]
+    for _ in range(2):
+        assert (await backend.embed(_job(engine, text))).headers["x-cache"] == "bypass"
+    assert gated.calls == [1, 1] and backend.stats.bypassed == 0  # only client opt-outs are counted
+
+
 # --- single-flight ------------------------------------------------------------------
 async def test_fifty_concurrent_requests_for_one_new_text_run_the_model_once(
     make: Any, engine: Engine

@@ -55,6 +55,7 @@ def _embed(url: str, inputs: Any, headers: dict[str, str] | None = None, **body:
 # --- the cache, seen from a client ----------------------------------------------------
 def test_x_cache_header_and_both_opt_outs(stage_server: Any, engine: Engine) -> None:
     url = stage_server(STAGE).url
+    assert _metrics(url)["config"]["redis"] is None  # `make stage4`: the in-process cache only
     a, b, c = _new(3)
     first = _embed(url, [a, b])
     assert (first.headers["x-cache"], first.headers["x-cache-misses"]) == ("miss", "2")
