@@ -85,3 +85,10 @@ bench: setup
 ## bench-stage4: cache hit latency by tier, pooled vs per-command Redis, repeated texts and overload vs stage 3
 bench-stage4: setup
 	$(PY) -m stage4_cache_backpressure.bench $(ARGS)
+
+# --- stage 5 measurements (docs/stage5.md) ----------------------------------------------------
+.PHONY: stage5-overhead
+
+## stage5-overhead: what metrics, logs and the dashboard cost: stage 5 vs stage 4, same run (QUICK=1: seconds)
+stage5-overhead: setup
+	$(PY) -m stage5_metrics.overhead $(if $(QUICK),--quick) $(ARGS)
