@@ -92,3 +92,22 @@ bench-stage4: setup
 ## stage5-overhead: what metrics, logs and the dashboard cost: stage 5 vs stage 4, same run (QUICK=1: seconds)
 stage5-overhead: setup
 	$(PY) -m stage5_metrics.overhead $(if $(QUICK),--quick) $(ARGS)
+
+# --- docs site and the quantization study (docs/quantization.md, docs/operating.md) -----------
+.PHONY: docs docs-build settings-doc quant-study
+
+## docs: serve the tutorial site on http://127.0.0.1:8001 (rebuilds on save)
+docs: $(VENV)/.installed
+	$(PY) -m mkdocs serve -a 127.0.0.1:8001
+
+## docs-build: build the site strictly into site/ (what the docs test does in a temporary folder)
+docs-build: $(VENV)/.installed
+	$(PY) -m mkdocs build --strict
+
+## settings-doc: regenerate the settings table of docs/operating.md from common/settings.py
+settings-doc: $(VENV)/.installed
+	$(PY) -m common.settings_doc
+
+## quant-study: static INT8 recipes against fp32 and dynamic (docs/results/quantization.json; ~10 min)
+quant-study: setup
+	$(PY) -m common.quant_study $(if $(STSB),--stsb $(STSB))
