@@ -102,3 +102,22 @@ def test_log_formats() -> None:
     assert line["request_id"] == "r1" and line["status"] == 200 and line["queue_ms"] is None
     text = TextFormatter().format(_record(request_id="r1", status=200, queue_ms=None))
     assert text.endswith("INFO request request_id=r1 status=200")
+
+
+def test_metrics_reference_is_current() -> None:
+    """docs/results/stage5_metrics.md is what the registry exposes (rerun the module if not)."""
+    from stage5_metrics import reference
+
+    assert reference.OUT.read_text() == reference.markdown(), "run: python -m stage5_metrics.reference"
+    for name in (
+        "embedserve_requests_total",
+        "embedserve_request_duration_seconds",
+        "embedserve_queue_wait_seconds",
+        "embedserve_batch_inference_seconds",
+        "embedserve_batch_size_texts",
+        "embedserve_batch_padding_ratio",
+        "embedserve_cache_hits_total",
+        "embedserve_rejected_requests_total",
+        "process_cpu_seconds_total",
+    ):
+        assert f"`{name}`" in reference.markdown()
