@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
@@ -44,32 +45,78 @@ async def _client(
     return errors
 
 
+async def _probe(host: str, port: int, path: str, until: float, out: list[float]) -> None:
+    """GET ``path`` every 50 ms on a connection of its own: how long a health check waits."""
+    reader, writer = await asyncio.open_connection(host, port)
+    request = f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode()
+    try:
+        while time.perf_counter() < until:
+            sent = time.perf_counter()
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            out.append((time.perf_counter() - sent) * 1e3)
+            await asyncio.sleep(0.05)
+    finally:
+        writer.close()
+
+
 async def _drive(
-    host: str, port: int, requests: list[bytes], clients: int, seconds: float
-) -> tuple[list[float], int]:
+    host: str, port: int, requests: list[bytes], clients: int, seconds: float, probe: str | None = None
+) -> tuple[list[float], int, list[float]]:
     until = time.perf_counter() + seconds
     latencies: list[float] = []
+    probed: list[float] = []
     step = max(1, len(requests) // clients)
-    jobs = (_client(host, port, requests, i * step, until, latencies) for i in range(clients))
-    errors = await asyncio.gather(*jobs)
-    return latencies, sum(errors)
+    jobs: list[Coroutine[Any, Any, int | None]] = [
+        _client(host, port, requests, i * step, until, latencies) for i in range(clients)
+    ]
+    if probe is not None:
+        jobs.append(_probe(host, port, probe, until, probed))
+    results = await asyncio.gather(*jobs)
+    return latencies, sum(r for r in results if r is not None), probed
+
+
+def _ms(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 2) if values else None
 
 
 def run_load(
-    host: str, port: int, requests: list[bytes], clients: int, seconds: float, warmup: float = 1.0
+    host: str,
+    port: int,
+    requests: list[bytes],
+    clients: int,
+    seconds: float,
+    warmup: float = 1.0,
+    probe: str | None = None,
 ) -> dict[str, Any]:
-    """Requests/s, latency percentiles and the client's own CPU for ``clients`` over ``seconds``."""
+    """Requests/s, latency percentiles and the client's own CPU for ``clients`` over ``seconds``.
+
+    With ``probe="/health"`` a separate connection also GETs that path every 50 ms
+    during the run, and its latencies are reported as ``probe_*_ms``.
+    """
     if warmup > 0:
         asyncio.run(_drive(host, port, requests[::-1], clients, warmup))
     me = psutil.Process()
     cpu = sum(me.cpu_times()[:2])
-    latencies, errors = asyncio.run(_drive(host, port, requests, clients, seconds))
-    lat = np.asarray(latencies)
-    return {
+    latencies, errors, probed = asyncio.run(_drive(host, port, requests, clients, seconds, probe))
+    result: dict[str, Any] = {
         "clients": clients,
-        "requests_per_s": round(len(lat) / seconds, 1),
-        "p50_ms": round(float(np.percentile(lat, 50)), 2) if len(lat) else None,
-        "p99_ms": round(float(np.percentile(lat, 99)), 2) if len(lat) else None,
+        "requests_per_s": round(len(latencies) / seconds, 1),
+        "p50_ms": _ms(latencies, 50),
+        "p99_ms": _ms(latencies, 99),
         "errors": errors,
         "client_cpu_cores": round((sum(me.cpu_times()[:2]) - cpu) / seconds, 2),
     }
+    if probe is not None:
+        result.update(
+            {
+                "probe": probe,
+                "probe_n": len(probed),
+                "probe_p50_ms": _ms(probed, 50),
+                "probe_p99_ms": _ms(probed, 99),
+                "probe_max_ms": round(max(probed), 2) if probed else None,
+            }
+        )
+    return result
