@@ -79,6 +79,14 @@ bench: setup
 		--benchmark-autosave --benchmark-json=docs/results/bench.json \
 		$(if $(COMPARE),--benchmark-compare) $(ARGS)
 
+# --- stage 1 and 2 measurements (docs/stage1.md, docs/stage2.md) ------------------------------
+.PHONY: bench-stage2
+
+## bench-stage2: what the API contract costs per request, stage 1 vs 2 under load, the thread sweep (QUICK=1: seconds)
+bench-stage2: setup
+	$(PY) -m loadtests.overhead $(if $(QUICK),--quick) $(ARGS)
+	$(PY) -m loadtests.threads_sweep $(if $(QUICK),--quick) $(ARGS)
+
 # --- stage 4 measurements (docs/stage4.md) ----------------------------------------------------
 .PHONY: bench-stage4
 
