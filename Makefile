@@ -84,8 +84,8 @@ bench: setup
 
 ## bench-stage2: what the API contract costs per request, stage 1 vs 2 under load, the thread sweep (QUICK=1: seconds)
 bench-stage2: setup
-	$(PY) -m loadtests.overhead $(if $(QUICK),--quick) $(ARGS)
-	$(PY) -m loadtests.threads_sweep $(if $(QUICK),--quick) $(ARGS)
+	$(PY) -m loadtests.overhead $(if $(QUICK),--quick)
+	$(PY) -m loadtests.threads_sweep $(if $(QUICK),--quick)
 
 # --- stage 4 measurements (docs/stage4.md) ----------------------------------------------------
 .PHONY: bench-stage4
