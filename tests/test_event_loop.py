@@ -64,6 +64,7 @@ def test_health_waits_only_on_the_naive_stage(stage: str, stage_server) -> None:
     )
     health_request = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
 
+    # --8<-- [start:ordering]
     before = _cpu_seconds(server.process.pid)
     a = _send(address, long_request)
     deadline = time.monotonic() + 120
@@ -86,6 +87,7 @@ def test_health_waits_only_on_the_naive_stage(stage: str, stage_server) -> None:
 
     first_b = next(i for i, names in enumerate(seen) if "B" in names)
     first_a = next(i for i, names in enumerate(seen) if "A" in names)
+    # --8<-- [end:ordering]
     try:
         assert _read_status(b) == 200
         assert _read_status(a) == 200
