@@ -3,8 +3,8 @@
 1. Latency of a cache hit in the memory tier and in the Redis tier, against a miss (same run).
 2. Redis from Python: one pooled client versus a new connection per command (same Redis, same run).
 3. The seed's repeated-text workload (100 requests, unique ratio 0.3) on stage 3 and stage 4.
-4. The seed's overload run (queue capped at 5, 300 requests at concurrency 200) on stage 4,
-   and the same load on stage 3, which has no bound.
+4. The seed's overload run (queue capped at 5, 300 requests of one passage at concurrency 200)
+   on stage 4, and the same load on stage 3, which has no bound.
 
 Uses the Redis at 127.0.0.1:6379 when it answers, else starts a private ``redis-server``.
 """
@@ -186,7 +186,7 @@ def overload(requests: int, concurrency: int, max_queue: int) -> dict[str, Any]:
     for stage, env in ((S4, {"MAX_QUEUE": str(max_queue)}), (S3, {})):
         with _stage(stage, env) as url:
             asyncio.run(_fire(url, _fresh(32), 8))
-            out[stage] = asyncio.run(_fire(url, _fresh(requests), concurrency))
+            out[stage] = asyncio.run(_fire(url, _fresh(requests, kind="passage"), concurrency))
             started = time.perf_counter()
             healthy = httpx.get(f"{url}/health", timeout=10).status_code == 200
             out[stage]["health_after_ms"] = round((time.perf_counter() - started) * 1e3, 2)
@@ -247,7 +247,7 @@ def markdown(r: dict[str, Any]) -> str:
         "<!-- --8<-- [end:repeated] -->",
         "",
         "<!-- --8<-- [start:overload] -->",
-        f"**Overload** ({ov['requests']} requests at concurrency {ov['concurrency']}; "
+        f"**Overload** ({ov['requests']} requests of one passage each at concurrency {ov['concurrency']}; "
         f"stage 4 with MAX_QUEUE={ov['max_queue']}, stage 3 unbounded):",
         "",
         "| stage | status | count | p50 ms | p99 ms |",

@@ -95,9 +95,9 @@ def test_fifty_concurrent_requests_for_one_new_text_run_the_model_once(
 
 # --- deadlines and disconnects ----------------------------------------------------------
 class _Blocker:
-    """A request of long passages that keeps the model busy for a while (cache bypassed)."""
+    """One batch of long passages that keeps the model busy for a while (cache bypassed)."""
 
-    def __init__(self, url: str, n: int = 16) -> None:
+    def __init__(self, url: str, n: int = 32) -> None:
         self.url, self.texts = url, _new(n, kind="passage")
         self.before = _metrics(url, "/v1/batcher/metrics")["texts"]
         self.result: list[httpx.Response] = []
@@ -154,8 +154,11 @@ def test_client_that_disconnects_is_dropped_before_inference(stage_server: Any) 
 def test_overload_fast_503s_correct_200s_no_500_and_healthy_after(
     server_factory: Any, engine: Engine
 ) -> None:
-    """The seed's experiment: queue capped at 5, 300 requests at concurrency 200."""
-    texts = _new(300)
+    """The seed's experiment: queue capped at 5, 300 requests at concurrency 200.
+
+    One passage per request, so the model is the bottleneck on any machine, however fast.
+    """
+    texts = _new(300, kind="passage")
     with server_factory(STAGE, {"MAX_QUEUE": "5"}) as server:
         url = server.url
 
@@ -237,7 +240,7 @@ def test_sigterm_finishes_every_admitted_request_and_closes_the_pool(
 ) -> None:
     drain_timeout = 20
     env = {"CACHE_URL": redis_url, "DRAIN_TIMEOUT_S": str(drain_timeout)}
-    batches = [_new(4, kind="passage") for _ in range(8)]
+    batches = [_new(8, kind="passage") for _ in range(8)]
     with server_factory(STAGE, env) as server:
         url = server.url
 
@@ -247,6 +250,7 @@ def test_sigterm_finishes_every_admitted_request_and_closes_the_pool(
                     asyncio.ensure_future(client.post(f"{url}/v1/embed", json={"inputs": b})) for b in batches
                 ]
                 while _metrics(url)["active"] < len(batches):
+                    assert not any(t.done() for t in tasks), "a request finished before SIGTERM"
                     await asyncio.sleep(0.01)
                 server.process.send_signal(signal.SIGTERM)
                 signalled = time.monotonic()
