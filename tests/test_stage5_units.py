@@ -121,3 +121,23 @@ def test_metrics_reference_is_current() -> None:
         "process_cpu_seconds_total",
     ):
         assert f"`{name}`" in reference.markdown()
+
+
+def test_prometheus_rules_name_real_metrics() -> None:
+    """The scrape config and recording rules the chapter shows parse, and name metrics that exist."""
+    import re
+
+    import yaml
+
+    from stage5_metrics import reference
+
+    folder = reference.OUT.parents[2] / "stage5_metrics" / "prometheus"
+    config = yaml.safe_load((folder / "prometheus.yml").read_text())
+    assert config["scrape_configs"][0]["metrics_path"] == "/metrics"
+    rules = yaml.safe_load((folder / "rules.yml").read_text())["groups"][0]["rules"]
+    exposed = reference.markdown()
+    used = {m for rule in rules for m in re.findall(r"embedserve_[a-z_]+", rule["expr"])}
+    assert len(used) >= 8
+    for name in used:
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert f"`{base}`" in exposed, name
