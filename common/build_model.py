@@ -42,6 +42,7 @@ GATE_MEAN_COSINE = 0.99
 GATE_STSB_POINTS = 1.0
 
 
+# --8<-- [start:recipe]
 @dataclass(frozen=True)
 class StaticRecipe:
     """How static INT8 is made; `python -m common.quant_study` compares recipes."""
@@ -69,6 +70,7 @@ class StaticRecipe:
 
 # Static INT8 recipe, chosen by the measurements in docs/quantization.md.
 STATIC_RECIPE = StaticRecipe()
+# --8<-- [end:recipe]
 
 
 def packaged_model_dir() -> Path:
@@ -129,6 +131,7 @@ def model_facts(source: str) -> tuple[int, str]:
     return max_tokens, pooling
 
 
+# --8<-- [start:export]
 def export_fp32(source: str, workdir: Path) -> Path:
     from optimum.exporters.onnx import main_export
 
@@ -148,6 +151,9 @@ def quantize_dynamic(fp32: Path, out: Path) -> None:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     ort_quantize_dynamic(fp32, out, per_channel=True, weight_type=QuantType.QInt8)
+
+
+# --8<-- [end:export]
 
 
 class _CalibrationReader:
@@ -200,6 +206,7 @@ def excluded_nodes(fp32: Path, patterns: tuple[str, ...]) -> list[str]:
     return [n.name for n in graph.node if any(re.search(p, n.name) for p in patterns)]
 
 
+# --8<-- [start:static]
 def quantize_static(
     fp32: Path,
     out: Path,
@@ -244,6 +251,9 @@ def quantize_static(
         },
         calibration_cache_path=calibration_cache,
     )
+
+
+# --8<-- [end:static]
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -303,6 +313,7 @@ def quality(out: Path, variants: list[str], stsb: Path | None) -> dict[str, Any]
     return report
 
 
+# --8<-- [start:gate]
 def gate_failures(report: dict[str, Any], variant: str) -> list[str]:
     entry = report["variants"][variant]
     failures = []
@@ -324,6 +335,9 @@ def gate_failures(report: dict[str, Any], variant: str) -> list[str]:
 def choose_default(report: dict[str, Any]) -> str:
     """Static INT8 when it passes the gates (batch invariant, faster), else dynamic."""
     return "int8-static" if not gate_failures(report, "int8-static") else "int8-dynamic"
+
+
+# --8<-- [end:gate]
 
 
 def build(source: str, name: str, out: Path, stsb: Path | None, force: bool) -> int:

@@ -133,6 +133,7 @@ class Engine:
         ]
 
     # -- the model call (expensive, thread safe) -----------------------------
+    # --8<-- [start:run]
     def run(self, token_ids: Sequence[np.ndarray]) -> np.ndarray:
         """Mean-pooled, *not* normalized vectors (rows, dim) float32 for pre-tokenized texts."""
         if not token_ids:
@@ -146,6 +147,8 @@ class Engine:
         summed = (hidden * weights).sum(axis=1)
         counts = np.maximum(weights.sum(axis=1), 1e-9)
         return (summed / counts).astype(np.float32, copy=False)
+
+    # --8<-- [end:run]
 
     def embed(self, texts: Sequence[str], normalize: bool = True) -> EmbedOutput:
         """Tokenize and run in one go (the stage 0 script and the simple stages)."""
