@@ -313,7 +313,8 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
     ) -> tuple[EmbedJob, EmbedResult]:
         """Validate, tokenize, hand to the stage's backend: the part every stage shares."""
         if not request.app.state.ready:
-            raise APIError(503, "the model is not loaded yet", headers={"Retry-After": "1"})
+            message = "the server is not ready (the model is loading, or the server is draining)"
+            raise APIError(503, message, headers={"Retry-After": "1"})
         validate_texts(texts, settings, param)
         engine: Engine = request.app.state.engine
         if cache and "no-cache" in request.headers.get("cache-control", ""):
