@@ -1,0 +1,311 @@
+"""The soak: stage 5 with its Redis tier, at about 70% of its measured capacity, for a long time.
+
+    make soak                                          # 10 minutes: docs/results/soak.json, docs/img/soak.png
+    python -m loadtests.soak --duration 60 --out /tmp/soak.json --plot /tmp/soak.png
+
+Steps: start a private redis-server and stage 5 with CACHE_URL pointing at it; measure
+capacity (closed loop, many clients, the same traffic); then send requests *open loop*
+(a fixed arrival rate, whatever the answers do) at 70% of it for ``--duration`` seconds,
+sampling latency percentiles, errors, the server's RSS and the cache hit share every
+interval. The traffic is half texts from a hot set (cache hits, memory or Redis tier)
+and half texts never seen before (model calls and Redis writes).
+
+The in-process cache is kept small (CACHE_MAX_ITEMS=200, half the hot set) so it reaches
+its bound during warm-up and hot texts keep coming from the Redis tier: after warm-up the
+process holds steady state, and any growth is a leak.
+
+Pass: no errors; p99 stable (median p99 of the last third of the run at most twice that of
+the first third after warm-up); RSS growth after warm-up under 10%; the client kept the
+arrival rate (a soak that sent less than it meant to proves nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import psutil
+
+from common import corpus
+from common.machine import machine_info
+from loadtests.procs import redis_server, stage_process
+
+REPO = Path(__file__).resolve().parent.parent
+STAGE = "stage5_metrics"
+LOAD_FACTOR = 0.7
+HOT_SET = 400
+MAX_IN_FLIGHT = 256  # past this the server is not keeping up: counted as errors, not queued forever
+RSS_GROWTH_LIMIT = 0.10
+P99_RATIO_LIMIT = 2.0
+
+
+class _Traffic:
+    """Half hot texts, half never-seen texts; one to three texts a request."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.hot = corpus.texts(HOT_SET, seed=seed, kind="sentence")
+        self.fresh = corpus.stream(seed=seed + 1, kind="mixed")
+
+    def body(self) -> dict[str, Any]:
+        n = self.rng.randint(1, 3)
+        texts = [self.rng.choice(self.hot) if self.rng.random() < 0.5 else next(self.fresh) for _ in range(n)]
+        return {"inputs": texts}
+
+
+@dataclass
+class Interval:
+    t: float  # seconds since the soak began (end of the interval)
+    requests: int
+    errors: int
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
+    rss_mib: float
+    cache_hit_share: float | None
+
+
+@dataclass
+class SoakResult:
+    duration_s: float
+    interval_s: float
+    warmup_s: float
+    capacity_rps: float
+    target_rps: float
+    sent: int = 0
+    answered: int = 0
+    errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+    intervals: list[Interval] = field(default_factory=list)
+    verdict: dict[str, Any] = field(default_factory=dict)
+    load_average: dict[str, list[float]] = field(default_factory=dict)  # the machine is shared
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.verdict.get("passed"))
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 2) if values else None
+
+
+async def measure_capacity(url: str, seconds: float, workers: int = 16, seed: int = 1) -> float:
+    """Requests per second of this traffic, closed loop (after one second of warm-up)."""
+    traffic = _Traffic(seed)
+    done = 0
+    started = time.monotonic()
+    counting_from = started + 1.0
+    end = counting_from + seconds
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal done
+        while time.monotonic() < end:
+            r = await client.post("/v1/embed", json=traffic.body())
+            r.raise_for_status()
+            if time.monotonic() >= counting_from:
+                done += 1
+
+    limits = httpx.Limits(max_connections=workers)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+        await asyncio.gather(*(worker(client) for _ in range(workers)))
+    return done / seconds
+
+
+async def soak(url: str, pid: int, result: SoakResult, seed: int = 7) -> None:
+    """Open loop at ``result.target_rps`` for ``result.duration_s``, one ``Interval`` per interval."""
+    traffic = _Traffic(seed)
+    server = psutil.Process(pid)
+    latencies: list[float] = []
+    errors = 0
+    hits = misses = 0
+    in_flight = 0
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(client: httpx.AsyncClient, body: dict[str, Any]) -> None:
+        nonlocal errors, hits, misses, in_flight
+        started = time.perf_counter()
+        try:
+            r = await client.post("/v1/embed", json=body)
+            kind = None if r.status_code == 200 else str(r.status_code)
+        except httpx.TransportError as exc:
+            kind = type(exc).__name__
+        finally:
+            in_flight -= 1
+        if kind is None:
+            latencies.append((time.perf_counter() - started) * 1e3)
+            hits += int(r.headers.get("x-cache-hits", 0))
+            misses += int(r.headers.get("x-cache-misses", 0))
+            result.answered += 1
+        else:
+            errors += 1
+            result.error_kinds[kind] = result.error_kinds.get(kind, 0) + 1
+
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+        began = time.monotonic()
+        next_sample = began + result.interval_s
+        i = 0
+        while True:
+            now = time.monotonic()
+            if now >= next_sample:
+                result.errors += errors
+                result.intervals.append(
+                    Interval(
+                        t=round(next_sample - began, 1),
+                        requests=len(latencies) + errors,
+                        errors=errors,
+                        p50_ms=_pct(latencies, 50),
+                        p95_ms=_pct(latencies, 95),
+                        p99_ms=_pct(latencies, 99),
+                        rss_mib=round(server.memory_info().rss / 2**20, 1),
+                        cache_hit_share=round(hits / (hits + misses), 3) if hits + misses else None,
+                    )
+                )
+                latencies, errors, hits, misses = [], 0, 0, 0
+                next_sample += result.interval_s
+            if now - began >= result.duration_s:
+                break
+            due = began + i / result.target_rps
+            if due > now:
+                await asyncio.sleep(min(due, next_sample) - now)
+                continue
+            i += 1
+            result.sent += 1
+            if in_flight >= MAX_IN_FLIGHT:
+                errors += 1
+                result.error_kinds["client_backlog"] = result.error_kinds.get("client_backlog", 0) + 1
+                continue
+            in_flight += 1
+            task = asyncio.create_task(one(client, traffic.body()))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.wait(tasks, timeout=60)
+        result.errors += errors  # answers that arrived after the last interval
+
+
+def judge(result: SoakResult) -> dict[str, Any]:
+    """The pass criteria, with the numbers they were computed from."""
+    steady = [iv for iv in result.intervals if iv.t > result.warmup_s]
+    third = max(len(steady) // 3, 1)
+    first, last = steady[:third], steady[-third:]
+    p99_first = statistics.median(iv.p99_ms for iv in first if iv.p99_ms is not None)
+    p99_last = statistics.median(iv.p99_ms for iv in last if iv.p99_ms is not None)
+    rss_start = steady[0].rss_mib
+    rss_end = statistics.median(iv.rss_mib for iv in last)
+    rss_growth = rss_end / rss_start - 1
+    achieved = result.sent / result.duration_s
+    checks = {
+        "no_errors": result.errors == 0,
+        "p99_stable": p99_last <= P99_RATIO_LIMIT * p99_first,
+        "rss_growth_under_10pct": rss_growth < RSS_GROWTH_LIMIT,
+        "rate_kept": achieved >= 0.9 * result.target_rps,
+    }
+    return {
+        **checks,
+        "passed": all(checks.values()),
+        "p99_first_third_ms": p99_first,
+        "p99_last_third_ms": p99_last,
+        "rss_after_warmup_mib": rss_start,
+        "rss_end_mib": rss_end,
+        "rss_growth": round(rss_growth, 4),
+        "achieved_rps": round(achieved, 2),
+    }
+
+
+def run(
+    duration_s: float, log_dir: Path, interval_s: float | None = None, capacity_s: float = 8.0
+) -> SoakResult:
+    """Redis, stage 5, capacity, soak, verdict."""
+    interval_s = interval_s or max(duration_s / 60, 2.0)
+    with redis_server() as redis:
+        env = {"CACHE_URL": redis.url, "CACHE_MAX_ITEMS": "200", "LOG_LEVEL": "WARNING"}
+        with stage_process(STAGE, log_dir, env) as server:
+            capacity = asyncio.run(measure_capacity(server.url, capacity_s))
+            result = SoakResult(
+                duration_s=duration_s,
+                interval_s=interval_s,
+                warmup_s=max(duration_s / 5, 2 * interval_s),
+                capacity_rps=round(capacity, 2),
+                target_rps=round(LOAD_FACTOR * capacity, 2),
+            )
+            result.load_average["before"] = [round(x, 2) for x in os.getloadavg()]
+            asyncio.run(soak(server.url, server.pid, result))
+            result.load_average["after"] = [round(x, 2) for x in os.getloadavg()]
+    result.verdict = judge(result)
+    return result
+
+
+def plot(result: SoakResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [iv.t for iv in result.intervals]
+    fig, (lat, rss, rate) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    for key, style in (("p50_ms", "-"), ("p95_ms", "--"), ("p99_ms", ":")):
+        lat.plot(t, [getattr(iv, key) for iv in result.intervals], style, label=key.removesuffix("_ms"))
+    lat.set_ylabel("latency (ms)")
+    lat.legend(loc="upper right")
+    rss.plot(t, [iv.rss_mib for iv in result.intervals], color="tab:purple")
+    rss.set_ylabel("server RSS (MiB)")
+    rate.plot(t, [iv.requests / result.interval_s for iv in result.intervals], label="answered / s")
+    rate.plot(t, [iv.errors for iv in result.intervals], color="tab:red", label="errors")
+    rate.set_ylabel("requests")
+    rate.set_xlabel("seconds")
+    rate.legend(loc="upper right")
+    for ax in (lat, rss, rate):
+        ax.axvspan(0, result.warmup_s, color="0.9")
+        ax.grid(alpha=0.3)
+    verdict = "PASS" if result.passed else "FAIL"
+    fig.suptitle(
+        f"stage 5 soak, Redis tier on: {result.target_rps:.0f} req/s (70% of {result.capacity_rps:.0f}), "
+        f"{result.duration_s / 60:.0f} min, {result.errors} errors: {verdict}"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write(result: SoakResult, out: Path, command: str) -> None:
+    payload = {"command": command, "machine": machine_info(), "stage": STAGE, **asdict(result)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--duration", type=float, default=600, help="seconds of soak after capacity")
+    parser.add_argument("--out", type=Path, default=REPO / "docs/results/soak.json")
+    parser.add_argument("--plot", type=Path, default=REPO / "docs/img/soak.png")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as logs:
+        result = run(args.duration, Path(logs))
+    command = (
+        "make soak" if args.duration == 600 else f"python -m loadtests.soak --duration {args.duration:g}"
+    )
+    write(result, args.out, command)
+    plot(result, args.plot)
+    print(json.dumps(result.verdict, indent=1))
+    print(f"wrote {args.out} and {args.plot}")
+    return 0 if result.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""The soak, short: 60 seconds of stage 5 with Redis at 70% of capacity, judged like `make soak`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loadtests import soak
+
+
+def test_soak_60_seconds(tmp_path: Path) -> None:
+    result = soak.run(60, tmp_path, interval_s=2.0)
+    out, png = tmp_path / "soak.json", tmp_path / "soak.png"
+    soak.write(result, out, "tests/test_soak.py")
+    soak.plot(result, png)
+    verdict = result.verdict
+    assert result.sent > 0 and result.answered == result.sent - result.errors
+    assert verdict["no_errors"], result.error_kinds
+    assert verdict["rate_kept"], verdict
+    assert verdict["p99_stable"], verdict
+    assert verdict["rss_growth_under_10pct"], verdict
+    assert result.passed
+    # Enough intervals to judge: warm-up plus three thirds.
+    assert len(result.intervals) >= 25
+    saved = json.loads(out.read_text())
+    assert saved["verdict"]["passed"] and saved["machine"]["cores"]
+    assert png.stat().st_size > 10_000
