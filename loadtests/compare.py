@@ -24,7 +24,7 @@ from common.engine import Engine
 from common.serve import STAGES, available_stages, resolve
 from common.settings import Settings
 from loadtests import harness, report
-from loadtests.harness import PROFILES, Profile
+from loadtests.harness import COMPARE_ENV, PROFILES, Profile
 
 CEILING_SEED = 7
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -77,6 +77,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="A few seconds per point.")
     parser.add_argument("--duration", type=float, help="Seconds per point (default 20, quick 3).")
     parser.add_argument("--warmup", type=float, help="Seconds of warm-up per stage (default 10, quick 1).")
+    parser.add_argument(
+        "--stop-timeout",
+        type=float,
+        help="Seconds Locust waits for requests in flight (default 30, quick 10).",
+    )
     parser.add_argument("--ceiling-seconds", type=float, help="Seconds per batch size for the ceiling.")
     parser.add_argument("--stages", help="Comma-separated stages (default: every stage that exists).")
     parser.add_argument("--profiles", help="Comma-separated profile names (default: all).")
@@ -100,6 +105,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.duration = args.duration or (3.0 if args.quick else 20.0)
     args.warmup = args.warmup if args.warmup is not None else (1.0 if args.quick else 10.0)
+    args.stop_timeout = args.stop_timeout if args.stop_timeout is not None else (10.0 if args.quick else 30.0)
     args.ceiling_seconds = args.ceiling_seconds or (0.5 if args.quick else 3.0)
     return args
 
@@ -118,7 +124,7 @@ def run_stage(stage: str, profiles: list[Profile], args: argparse.Namespace) -> 
     raw = args.raw / stage
     results = []
     t0 = time.monotonic()
-    with harness.running_stage(stage, args.host, port, raw / "server.log") as server:
+    with harness.running_stage(stage, args.host, port, raw / "server.log", COMPARE_ENV) as server:
         print(f"{stage}: ready in {time.monotonic() - t0:.1f} s on {url}", flush=True)
         answered = harness.warm_up(url, args.warmup)
         print(f"{stage}: warm-up answered {answered} requests in {args.warmup:g} s", flush=True)
@@ -133,6 +139,7 @@ def run_stage(stage: str, profiles: list[Profile], args: argparse.Namespace) -> 
                 raw / profile.name,
                 args.seed * 100 + PROFILES.index(profile),
                 server.pid,
+                args.stop_timeout,
             )
             point.extra["settle_s"] = round(settled, 2)
             results.append(point.as_dict())
@@ -179,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "settings": {
             "duration_s": args.duration,
             "warmup_s": args.warmup,
+            "stop_timeout_s": args.stop_timeout,
+            "server_env": COMPARE_ENV,
             "seed": args.seed,
             "ceiling_seconds_per_batch": args.ceiling_seconds,
         },

@@ -61,8 +61,11 @@ PROFILES: tuple[Profile, ...] = (
     Profile("repeated-32", "RepeatedTextUser", 32, options=("--unique-ratio", "0.3")),
     Profile("mixed-32", "MixedLengthUser", 32, text_kind="mixed"),
     Profile("waves-32", "WaveUser", 32, options=("--wave-period", "0.5")),
-    Profile("overload-256", "OverloadUser", 256, texts_per_request=8),
+    Profile("overload-128", "OverloadUser", 128, texts_per_request=8),
 )
+# Every stage runs with these settings in `make compare`: a queue of 256 texts (stages 4-5; the
+# earlier stages have no bound) makes the overload profile's 1024 texts in flight an overload.
+COMPARE_ENV = {"MAX_QUEUE": "256"}
 # --8<-- [end:profiles]
 
 
@@ -270,13 +273,16 @@ class PointResult:
 
 
 # --8<-- [start:locust_command]
-def locust_command(url: str, profile: Profile, seconds: float, prefix: Path, seed: int) -> list[str]:
+def locust_command(
+    url: str, profile: Profile, seconds: float, prefix: Path, seed: int, stop_timeout: float = 10.0
+) -> list[str]:
     users = str(profile.users)
     # fmt: off
     return [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", url,
         "-u", users, "-r", users, "-t", f"{seconds:g}s",
         "--reset-stats",  # measure from the moment every user is running, not during the ramp
+        "--stop-timeout", f"{stop_timeout:g}",  # requests in flight at the end still count
         "--only-summary", "--loglevel", "WARNING", "--exit-code-on-error", "0",
         "--csv", str(prefix), "--json-file", str(prefix),
         "--run-report", f"{prefix}_report.json", "--seed", str(seed),
@@ -289,13 +295,22 @@ def locust_command(url: str, profile: Profile, seconds: float, prefix: Path, see
 
 
 def run_point(
-    stage: str, url: str, profile: Profile, seconds: float, prefix: Path, seed: int, server_pid: int | None
+    stage: str,
+    url: str,
+    profile: Profile,
+    seconds: float,
+    prefix: Path,
+    seed: int,
+    server_pid: int | None,
+    stop_timeout: float = 10.0,
 ) -> PointResult:
     """One headless Locust run; raw CSV/JSON land next to ``prefix``."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    command = locust_command(url, profile, seconds, prefix, seed)
+    command = locust_command(url, profile, seconds, prefix, seed, stop_timeout)
     with CpuSampler(server_pid) as sampler, (prefix.parent / f"{prefix.name}_locust.log").open("wb") as log:
-        done = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=seconds + 120)
+        done = subprocess.run(
+            command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=seconds + stop_timeout + 120
+        )
     if done.returncode != 0:
         raise RuntimeError(f"locust exited with {done.returncode}; see {prefix}_locust.log")
     entries = json.loads(Path(f"{prefix}.json").read_text())

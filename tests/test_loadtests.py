@@ -32,7 +32,7 @@ USER_CLASSES = (
     "ThinkingUser",
 )
 # The quick compare in `make test`: one unique-text point plus the repeated and overload profiles.
-TEST_PROFILES = ("unique-8", "repeated-32", "overload-256")
+TEST_PROFILES = ("unique-8", "repeated-32", "overload-128")
 
 
 def _locust(host: str, prefix: Path, seconds: int, users: int, *args: str) -> list[dict]:
