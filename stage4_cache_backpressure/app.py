@@ -199,10 +199,10 @@ class CacheBackend(BatchingBackend):
         answer.timings.update(queue_ms=outcome.queue_ms, inference_ms=outcome.inference_ms)
         answer.headers["x-batch-size"] = ",".join(map(str, outcome.batch_sizes))
         new_keys = [keys[i] for i in todo]
-        await self.cache.put(new_keys, vectors)  # an opted-out answer still refreshes the cache
-        if use_cache:
-            for key, vector in zip(new_keys, vectors, strict=True):
-                self.flights.resolve(key, vector)
+        written = self.cache.put_local(new_keys, vectors)  # an opted-out answer refreshes it too
+        for key, vector in zip(new_keys, vectors, strict=True) if use_cache else ():
+            self.flights.resolve(key, vector)  # after the memory write, so no one can miss both
+        await self.cache.put_remote(written)  # followers do not wait for the Redis write
 
     async def _follow(self, job: EmbedJob, i: int, flight: asyncio.Future[np.ndarray]) -> np.ndarray:
         """Wait for another request's computation of this text (bounded by our own deadline)."""

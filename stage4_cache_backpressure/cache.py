@@ -174,17 +174,25 @@ class Cache:
             out.append(None if value is None else self._decode(value))
         return out
 
-    async def put(self, keys: Sequence[str], vectors: np.ndarray) -> None:
-        """Write both tiers (memory first, synchronously; Redis in one pipeline)."""
+    def put_local(self, keys: Sequence[str], vectors: np.ndarray) -> dict[str, bytes]:
+        """Write the memory tier now; return the encoded items for ``put_remote``."""
         if not self.enabled:
-            return
+            return {}
         items = {k: np.asarray(v, dtype="<f4").tobytes() for k, v in zip(keys, vectors, strict=True)}
         if self.memory.enabled:
             for key, value in items.items():
                 self.memory.put(key, value)
             self.stats.writes["memory"] += len(items)
+        return items
+
+    async def put_remote(self, items: dict[str, bytes]) -> None:
+        """Write the Redis tier, in one pipeline."""
         if self.redis is not None:
             await self.redis.put_many(items)
+
+    async def put(self, keys: Sequence[str], vectors: np.ndarray) -> None:
+        """Write both tiers."""
+        await self.put_remote(self.put_local(keys, vectors))
 
     def _decode(self, value: bytes) -> np.ndarray:
         return np.frombuffer(value, dtype="<f4")
