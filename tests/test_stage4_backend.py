@@ -138,6 +138,22 @@ async def test_fifty_concurrent_requests_for_one_new_text_run_the_model_once(
     assert np.allclose(results[0].vectors, _expected(engine, text), atol=1e-5)
 
 
+async def test_with_redis_the_leader_looks_up_once_for_everyone(
+    make: Any, engine: Engine, redis_url: str
+) -> None:
+    backend, gated = await make(cache_url=redis_url, cache_max_items=0)  # Redis tier only
+    gated.gate.clear()
+    text = [_new("popular with redis")]
+    tasks = [asyncio.ensure_future(backend.embed(_job(engine, text))) for _ in range(50)]
+    await _until(lambda: backend.stats.active == 50)
+    gated.gate.set()
+    await asyncio.gather(*tasks)
+    assert gated.calls == [1]
+    assert backend.stats.cache.misses["redis"] == 1 and backend.stats.cache.writes["redis"] == 1
+    again = await backend.embed(_job(engine, text))
+    assert again.headers["x-cache"] == "hit" and backend.stats.cache.hits["redis"] == 1
+
+
 async def test_duplicates_inside_one_request_are_computed_once(make: Any, engine: Engine) -> None:
     backend, gated = await make()
     a, b = _new("alpha"), _new("beta")
