@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     group_window: int = Field(
         256, ge=1, description="How many queued texts length grouping may look at."
     )
+    call_overhead_tokens: int = Field(
+        32,
+        ge=0,
+        description="Fixed cost of one model call, in padded tokens: a batch runs as several calls "
+        "of similar lengths when that saves more padding than the calls cost (0: split freely).",
+    )
 
     # --- stage 4: cache, queue, deadlines, drain ----------------------------
     cache_url: SecretStr | None = Field(
