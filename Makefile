@@ -78,6 +78,7 @@ bench: setup
 		--benchmark-enable --benchmark-only --benchmark-storage=file://docs/results/benchmarks \
 		--benchmark-autosave --benchmark-json=docs/results/bench.json \
 		$(if $(COMPARE),--benchmark-compare) $(ARGS)
+	$(PY) -m loadtests.bench_report docs/results/bench.json docs/results/bench.md
 
 # --- stage 1 and 2 measurements (docs/stage1.md, docs/stage2.md) ------------------------------
 .PHONY: bench-stage2

@@ -24,6 +24,7 @@ def _timestamp(record: logging.LogRecord) -> str:
     )
 
 
+# --8<-- [start:json]
 class JsonFormatter(logging.Formatter):
     """``{"ts": ..., "level": ..., "logger": ..., "msg": ..., <fields>}`` on one line."""
 
@@ -40,6 +41,7 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(line).decode()
 
 
+# --8<-- [end:json]
 class TextFormatter(logging.Formatter):
     """``<ts> INFO request request_id=... route=/v1/embed status=200 ...``"""
 

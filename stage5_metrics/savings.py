@@ -62,6 +62,7 @@ class CostModel:
         x0, x1, y0, y1 = self.tokens[i - 1], self.tokens[i], self.ms[i - 1], self.ms[i]
         return y0 + (y1 - y0) * (n_tokens - x0) / (x1 - x0)
 
+    # --8<-- [start:estimate]
     def batch_saved_ms(self, size: int, real_tokens: int, inference_ms: float) -> float:
         if size <= 1:  # a batch of one is the baseline itself: track the machine's speed
             predicted = self._curve(real_tokens)
@@ -70,6 +71,7 @@ class CostModel:
             return 0.0
         return size * self.alone_ms(real_tokens / size) - inference_ms
 
+    # --8<-- [end:estimate]
     def as_dict(self) -> dict[str, object]:
         return {
             "tokens": self.tokens,

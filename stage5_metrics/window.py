@@ -97,6 +97,7 @@ class Window:
         self._slots: deque[Slot] = deque()
         self._older = Slot(second=-1)
 
+    # --8<-- [start:slots]
     def _slot(self) -> Slot:
         now = int(self.clock())
         if not self._slots or self._slots[-1].second != now:
@@ -108,6 +109,7 @@ class Window:
         while self._slots and self._slots[0].second <= now - self.keep_s:
             self._older.merge(self._slots.popleft())
 
+    # --8<-- [end:slots]
     # -- recording (the hot path: once per request, once per batch) --------------
     def record_request(
         self,

@@ -120,3 +120,16 @@ def test_dashboard_is_served_offline(server: Server) -> None:
     for source in (html, script.text):
         assert "http://" not in source.replace("http://www.w3.org/2000/svg", "")
         assert "https://" not in source
+
+
+def test_dashboard_with_an_api_key(page: Page, tmp_path: Path) -> None:
+    """With API_KEY set the page's data needs the key: it comes from the URL fragment, never sent."""
+    env = {"API_KEY": "dash-key-1", "PROTECT_METRICS": "false"}
+    with run_server("stage5_metrics", tmp_path, env) as srv:
+        page.goto(f"{srv.url}/dashboard")
+        page.wait_for_function("document.getElementById('status').textContent.startsWith('offline')")
+        assert "401" in page.text_content("#status")
+        page.goto(f"{srv.url}/dashboard#key=dash-key-1")
+        page.reload()
+        page.wait_for_function("document.getElementById('status').textContent === 'live'", timeout=15_000)
+        assert "dash-key-1" not in srv.log()

@@ -173,10 +173,16 @@ function summary(m, s) {
     rows.map(([name, f]) => `<tr><td>${name}</td><td>${f(m)}</td><td>${f(s)}</td></tr>`).join("");
 }
 
+// With API_KEY set, open /dashboard#key=<one of the keys>: the fragment never leaves the browser.
+function authHeaders() {
+  const key = new URLSearchParams(location.hash.slice(1)).get("key");
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
 async function poll() {
   const status = document.getElementById("status");
   try {
-    const response = await fetch("/v1/dashboard", { cache: "no-store" });
+    const response = await fetch("/v1/dashboard", { cache: "no-store", headers: authHeaders() });
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     render(await response.json());
     status.textContent = "live";
