@@ -28,6 +28,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from common.auth import install_auth
 from common.engine import Engine, TokenizedText
@@ -115,7 +116,10 @@ async def read_body(request: Request, model: type[_Body]) -> _Body:
     validates the Python objects. Validating the bytes directly is faster and stricter;
     the routes still describe their bodies in the OpenAPI schema (``_body_doc``).
     """
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # the client left mid-body: nobody reads the answer, but it is no 500
+        raise APIError(499, "client closed the connection before sending the whole body") from None
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:

@@ -150,6 +150,17 @@ def test_client_that_disconnects_is_dropped_before_inference(stage_server: Any) 
     assert _embed(url, ["still fine"]).status_code == 200
 
 
+def test_client_leaving_mid_body_is_no_server_error(stage_server: Any) -> None:
+    server = stage_server(STAGE)
+    parts = urlsplit(server.url)
+    with socket.create_connection((parts.hostname, parts.port)) as sock:
+        sock.sendall(b"POST /v1/embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+        sock.sendall(b'Content-Length: 1000\r\n\r\n{"inputs": "only part of')
+        time.sleep(0.2)
+    assert _embed(server.url, ["after a broken upload"]).status_code == 200
+    assert "Exception in ASGI application" not in server.log()
+
+
 # --- overload ---------------------------------------------------------------------------
 def test_overload_fast_503s_correct_200s_no_500_and_healthy_after(
     server_factory: Any, engine: Engine
