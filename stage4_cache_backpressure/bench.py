@@ -135,15 +135,20 @@ async def redis_connections(url: str, n: int) -> dict[str, Any]:
 
 
 # --- 3 and 4. concurrent workloads ----------------------------------------------------------
-async def _fire(url: str, texts: list[str], concurrency: int) -> dict[str, Any]:
+async def _fire(url: str, texts: list[str], concurrency: int, keep_alive: bool = True) -> dict[str, Any]:
+    """Status 0 in the results: the connection failed (counted, never hidden)."""
     gate = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    keep = concurrency if keep_alive else 0  # off: every request is its own client, as in the seed
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=keep)
     async with httpx.AsyncClient(limits=limits, timeout=300) as client:
 
         async def one(text: str) -> tuple[int, float]:
             async with gate:
                 started = time.perf_counter()
-                response = await client.post(f"{url}/v1/embed", json={"inputs": [text]})
+                try:
+                    response = await client.post(f"{url}/v1/embed", json={"inputs": [text]})
+                except httpx.TransportError:
+                    return 0, time.perf_counter() - started
                 return response.status_code, time.perf_counter() - started
 
         started = time.perf_counter()
@@ -186,7 +191,8 @@ def overload(requests: int, concurrency: int, max_queue: int) -> dict[str, Any]:
     for stage, env in ((S4, {"MAX_QUEUE": str(max_queue)}), (S3, {})):
         with _stage(stage, env) as url:
             asyncio.run(_fire(url, _fresh(32), 8))
-            out[stage] = asyncio.run(_fire(url, _fresh(requests, kind="passage"), concurrency))
+            texts = _fresh(requests, kind="passage")
+            out[stage] = asyncio.run(_fire(url, texts, concurrency, keep_alive=False))
             started = time.perf_counter()
             healthy = httpx.get(f"{url}/health", timeout=10).status_code == 200
             out[stage]["health_after_ms"] = round((time.perf_counter() - started) * 1e3, 2)

@@ -175,7 +175,8 @@ def test_overload_fast_503s_correct_200s_no_500_and_healthy_after(
 
         async def fire() -> list[tuple[int, float, httpx.Response]]:
             gate = asyncio.Semaphore(200)
-            limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+            # One connection per request: 300 independent clients, as in the seed's experiment.
+            limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
             async with httpx.AsyncClient(limits=limits, timeout=120) as client:
 
                 async def one(text: str) -> tuple[int, float, httpx.Response]:
