@@ -120,3 +120,21 @@ settings-doc: $(VENV)/.installed
 ## quant-study: static INT8 recipes against fp32 and dynamic (docs/results/quantization.json; ~10 min)
 quant-study: setup
 	$(PY) -m common.quant_study $(if $(STSB),--stsb $(STSB))
+
+# --- hardening: fuzzing, soak, faults, reliability report (docs/reliability.md) --------------
+FUZZ_EXAMPLES ?= 500
+SOAK_SECONDS ?= 600
+.PHONY: fuzz soak reliability
+
+## fuzz: schemathesis on every stage, batcher properties and the bad-input catalogue, FUZZ_EXAMPLES each
+fuzz: setup
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -p no:cacheprovider \
+		tests/test_fuzz_schema.py tests/test_properties_batcher.py tests/test_bad_input.py $(ARGS)
+
+## soak: stage 5 + Redis at 70% of capacity for SOAK_SECONDS (docs/results/soak.json, docs/img/soak.png)
+soak: setup
+	$(PY) -m loadtests.soak --duration $(SOAK_SECONDS)
+
+## reliability: bad input, fuzz and faults against every stage, counted (docs/results/reliability.json)
+reliability: setup
+	$(PY) -m loadtests.reliability $(ARGS)

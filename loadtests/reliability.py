@@ -1,0 +1,220 @@
+"""The reliability report: every hostile input and every fault, counted, for the docs.
+
+    make reliability        # docs/results/reliability.json and docs/results/reliability.md
+
+Runs the same catalogue and scenarios the tests assert on (``loadtests/badinput.py``,
+``loadtests/fuzz.py``, ``loadtests/faults.py``) against every server stage, and writes what
+happened: inputs tried and how they were answered, faults injected and requests lost.
+The Markdown file holds the tables ``docs/reliability.md`` includes by snippet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from common.machine import machine_info
+from common.serve import available_stages
+from loadtests import faults
+from loadtests.badinput import MB, cases, send, send_huge
+from loadtests.fuzz import fuzz_server
+from loadtests.procs import stage_process
+
+REPO = Path(__file__).resolve().parent.parent
+FAULT_STAGES = ("stage4_cache_backpressure", "stage5_metrics")
+
+
+def _peak_rss_during(pid: int, action: Any) -> tuple[Any, float]:
+    """Run ``action()`` while sampling the process's RSS; return its result and the growth in MiB."""
+    process = psutil.Process(pid)
+    baseline = peak = process.memory_info().rss
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not stop.wait(0.005):
+            peak = max(peak, process.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        result = action()
+    finally:
+        stop.set()
+        sampler.join()
+    return result, (peak - baseline) / MB
+
+
+def inputs_for_stage(stage: str, log_dir: Path, examples: int) -> dict[str, Any]:
+    """The bad-input catalogue, two 100 MB bodies and the schema fuzzer against one stage."""
+    statuses: Counter[str] = Counter()
+    unexpected: list[str] = []
+    with stage_process(stage, log_dir) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        for case in cases():
+            r = send(client, case)
+            statuses[str(r.status_code)] += 1
+            if r.status_code not in case.expect:
+                unexpected.append(f"{case.name}: {r.status_code}")
+        huge = {}
+        for chunked in (False, True):
+            result, grew = _peak_rss_during(server.pid, lambda c=chunked: send_huge(server.url, 100 * MB, c))
+            huge["chunked" if chunked else "content_length"] = {
+                "status": result.status,
+                "sent_mib": round(result.sent_bytes / MB, 1),
+                "rss_growth_mib": round(grew, 1),
+            }
+        fuzz = fuzz_server(server.url, examples)
+        alive = client.get("/health").status_code == 200
+        tracebacks = server.log().count("Traceback")
+    return {
+        "stage": stage,
+        "catalogue": {
+            "cases": len(cases()),
+            "statuses": dict(sorted(statuses.items())),
+            "unexpected": unexpected,
+            "server_errors": sum(n for s, n in statuses.items() if s.startswith("5")),
+        },
+        "body_100_mib": huge,
+        "fuzz": {
+            "examples_per_operation": examples,
+            "requests": fuzz.total_requests,
+            "operations": len(fuzz.requests),
+            "statuses": {str(k): v for k, v in sorted(fuzz.statuses.items())},
+            "failures": fuzz.failures,
+        },
+        "alive_after": alive,
+        "tracebacks_in_log": tracebacks,
+    }
+
+
+def run(examples: int, log_dir: Path) -> dict[str, Any]:
+    stages = available_stages()
+    inputs = [inputs_for_stage(stage, log_dir, examples) for stage in stages]
+    fault_stages = [s for s in stages if s in FAULT_STAGES]
+    injected = {
+        "redis_kill_restart": [faults.redis_restart(s, log_dir) for s in fault_stages],
+        "sigterm": [faults.sigterm_drain(s, log_dir) for s in fault_stages],
+        "sigkill_restart": [faults.sigkill_restart(s, log_dir, with_redis=True) for s in fault_stages],
+    }
+    tried = sum(i["catalogue"]["cases"] + 2 + i["fuzz"]["requests"] for i in inputs)
+    server_errors = sum(
+        i["catalogue"]["server_errors"]
+        + sum(n for s, n in i["fuzz"]["statuses"].items() if s.startswith("5"))
+        for i in inputs
+    )
+    # SIGKILL loses what was in flight by definition; what counts there is coming back (ready, warm).
+    lost = sum(r["failed"] for r in injected["redis_kill_restart"]) + sum(
+        r["lost"] for r in injected["sigterm"]
+    )
+    summary = {
+        "stages": stages,
+        "inputs_tried": tried,
+        "server_errors": server_errors,
+        "unexpected_answers": sum(
+            len(i["catalogue"]["unexpected"]) + len(i["fuzz"]["failures"]) for i in inputs
+        ),
+        "faults_injected": sum(len(v) for v in injected.values()),
+        "requests_lost": lost,
+    }
+    return {
+        "command": "make reliability",
+        "machine": machine_info(),
+        "summary": summary,
+        "inputs": inputs,
+        "faults": injected,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m, s = report["machine"], report["summary"]
+    lines = [
+        "<!-- generated by `make reliability`; do not edit -->",
+        "<!-- --8<-- [start:machine] -->",
+        f"Measured by `{report['command']}` on {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB memory, "
+        f"{m['date']}.",
+        "<!-- --8<-- [end:machine] -->",
+        "",
+        "<!-- --8<-- [start:summary] -->",
+        "| inputs tried | answered 5xx | answers off the contract | faults injected | requests lost |",
+        "|---|---|---|---|---|",
+        f"| {s['inputs_tried']} | {s['server_errors']} | {s['unexpected_answers']} | {s['faults_injected']} "
+        f"| {s['requests_lost']} |",
+        "<!-- --8<-- [end:summary] -->",
+        "",
+        "<!-- --8<-- [start:inputs] -->",
+        "| stage | hand-written cases | answered 200 / 4xx / 5xx | 100 MB body: status, RSS growth | "
+        "schemathesis requests | schema failures |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i in report["inputs"]:
+        st = i["catalogue"]["statuses"]
+        ok = st.get("200", 0)
+        fives = i["catalogue"]["server_errors"]
+        fours = i["catalogue"]["cases"] - ok - fives
+        huge = i["body_100_mib"]
+        big = ", ".join(f"{v['status']} (+{v['rss_growth_mib']} MiB)" for v in huge.values())
+        lines.append(
+            f"| {i['stage']} | {i['catalogue']['cases']} | {ok} / {fours} / {fives} | {big} "
+            f"| {i['fuzz']['requests']} | {len(i['fuzz']['failures'])} |"
+        )
+    lines += [
+        "<!-- --8<-- [end:inputs] -->",
+        "",
+        "<!-- --8<-- [start:faults] -->",
+        "| fault | stage | requests under the fault | failed or lost | notes |",
+        "|---|---|---|---|---|",
+    ]
+    f = report["faults"]
+    for r in f["redis_kill_restart"]:
+        lines.append(
+            f"| Redis SIGKILLed, restarted | {r['stage']} "
+            f"| {r['requests']} ({r['during_outage']} while down) "
+            f"| {r['failed']} | {r['redis_errors']} Redis errors absorbed; {r['redis_hits_after_restart']} "
+            "hits after restart |"
+        )
+    for r in f["sigterm"]:
+        after = ", ".join(f"{n} {k}" for k, n in sorted(r["after_sigterm"].items()))
+        lines.append(
+            f"| SIGTERM with {r['burst']} requests admitted | {r['stage']} | {r['burst']} "
+            f"| {r['lost']} | drained in {r['drain_seconds']} s; later requests: {after} |"
+        )
+    for r in f["sigkill_restart"]:
+        lines.append(
+            f"| SIGKILL, restart | {r['stage']} | {r['requests_during_kill']} | n/a (killed) "
+            f"| ready again in {r['ready_after_restart_s']} s; {r['cache_hits_after_restart']}/{r['texts']} "
+            "texts still cached (Redis) |"
+        )
+    lines.append("<!-- --8<-- [end:faults] -->")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--examples", type=int, default=100, help="schemathesis examples per operation and mode"
+    )
+    parser.add_argument("--out", type=Path, default=REPO / "docs/results/reliability.json")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as logs:
+        report = run(args.examples, Path(logs))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
+    print(json.dumps(report["summary"], indent=1))
+    s = report["summary"]
+    return 0 if s["server_errors"] == s["unexpected_answers"] == s["requests_lost"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
