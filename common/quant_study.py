@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -40,8 +41,17 @@ SPEED_MARGIN = 1.05  # static must beat dynamic by this factor to become the def
 FAMILIES: dict[str, tuple[str, ...]] = {
     "ffn-out": (r"/layer\.\d+/output/dense/MatMul$",),  # the MatMul after GELU: widest activations
     "attn-scores": (r"/attention/self/MatMul(_1)?$",),  # QK^T and softmax x V: activation x activation
-    "first-last": (r"/layer\.0/", r"/layer\.5/"),
+    "first-last": (r"/layer\.0/", r"/layer\.{last}/"),  # {last}: the encoder's last layer
 }
+
+
+def _families(fp32: Path) -> dict[str, tuple[str, ...]]:
+    """FAMILIES with the number of the encoder's last layer read from the graph."""
+    import onnx
+
+    names = [n.name for n in onnx.load(str(fp32), load_external_data=False).graph.node]
+    last = max(int(m.group(1)) for n in names if (m := re.search(r"/layer\.(\d+)/", n)))
+    return {k: tuple(p.replace("{last}", str(last)) for p in v) for k, v in FAMILIES.items()}
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -323,12 +333,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         best_recipe, best_note = candidates[best]
         print(f"round 3: node families kept in fp32, on {best}", flush=True)
         round3: dict[str, tuple[StaticRecipe, str]] = {}
+        families = _families(study.fp32)
         for fam in ("ffn-out", "attn-scores", "first-last"):
             round3[f"{best}+fp32-{fam}"] = (
-                replace(best_recipe, exclude=FAMILIES[fam]),
+                replace(best_recipe, exclude=families[fam]),
                 f"{best_note}, {fam} kept fp32",
             )
-        both = FAMILIES["ffn-out"] + FAMILIES["attn-scores"]
+        both = families["ffn-out"] + families["attn-scores"]
         round3[f"{best}+fp32-ffn-attn"] = (
             replace(best_recipe, exclude=both),
             f"{best_note}, ffn-out and attn-scores kept fp32",
