@@ -107,11 +107,11 @@ stage5-overhead: setup
 
 ## docs: serve the tutorial site on http://127.0.0.1:8001 (rebuilds on save)
 docs: $(VENV)/.installed
-	$(PY) -m mkdocs serve -a 127.0.0.1:8001
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve -a 127.0.0.1:8001
 
 ## docs-build: build the site strictly into site/ (what the docs test does in a temporary folder)
 docs-build: $(VENV)/.installed
-	$(PY) -m mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 ## settings-doc: regenerate the settings table of docs/operating.md from common/settings.py
 settings-doc: $(VENV)/.installed

@@ -1,0 +1,138 @@
+"""The docs cannot rot: the site builds strictly, every snippet marker exists, every results file too."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common import docs_tables, settings_doc
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+# `--8<-- "path"` or `--8<-- "path:section"`; pymdownx.snippets resolves paths from the repo root.
+SNIPPET = re.compile(r'--8<--\s+"([^"]+)"')
+# Generated files a chapter links to or includes: docs/results/*, docs/img/*.
+RESULT_LINK = re.compile(r"(?<![\w/])((?:docs/)?(?:results|img)/[\w.\-/]+\.(?:json|md|png|svg|csv|txt))")
+
+
+def snippet_problems(doc: Path, repo: Path) -> list[str]:
+    """Why each `--8<--` reference in `doc` would not include what it names (empty: all fine)."""
+    problems = []
+    for ref in SNIPPET.findall(doc.read_text()):
+        path, _, section = ref.partition(":")
+        target = repo / path
+        if not target.is_file():
+            problems.append(f"{doc.name}: {ref}: no file {path}")
+            continue
+        if not section:
+            continue
+        if re.fullmatch(r"[\d:-]+", section):
+            problems.append(f"{doc.name}: {ref}: included by line numbers; use a named section")
+            continue
+        text = target.read_text()
+        for edge in ("start", "end"):
+            if f"--8<-- [{edge}:{section}]" not in text:
+                problems.append(f"{doc.name}: {ref}: no [{edge}:{section}] marker in {path}")
+    return problems
+
+
+def result_problems(doc: Path, repo: Path) -> list[str]:
+    problems = []
+    for link in RESULT_LINK.findall(doc.read_text()):
+        target = repo / link if link.startswith("docs/") else doc.parent / link
+        if not target.is_file():
+            problems.append(f"{doc.name}: {link} does not exist")
+    return problems
+
+
+def _chapters() -> list[Path]:
+    return sorted(p for p in DOCS.glob("*.md") if not p.name.startswith("_"))  # `_*.md`: drafts
+
+
+def test_every_snippet_reference_names_an_existing_file_and_marker() -> None:
+    problems = [p for doc in _chapters() for p in snippet_problems(doc, REPO)]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_results_file_the_docs_name_exists() -> None:
+    problems = [p for doc in _chapters() for p in result_problems(doc, REPO)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checks_catch_a_removed_marker_and_a_missing_result(tmp_path: Path) -> None:
+    (tmp_path / "code.py").write_text("# --8<-- [start:kept]\nx = 1\n# --8<-- [end:kept]\n")
+    doc = tmp_path / "docs" / "chapter.md"
+    doc.parent.mkdir()
+    doc.write_text(
+        '--8<-- "code.py:kept"\n--8<-- "code.py:gone"\n--8<-- "code.py:3:4"\n--8<-- "nope.py"\n'
+        "See [the run](results/missing.json).\n"
+    )
+    problems = snippet_problems(doc, tmp_path)
+    assert len(problems) == 4, problems
+    assert "no [start:gone] marker" in problems[0] and "no [end:gone] marker" in problems[1]
+    assert "line numbers" in problems[2] and "no file nope.py" in problems[3]
+    assert result_problems(doc, tmp_path) == ["chapter.md: results/missing.json does not exist"]
+
+
+def test_the_settings_table_is_generated_from_the_current_settings() -> None:
+    assert settings_doc.main(["--check"]) == 0, "run `python -m common.settings_doc` and commit the result"
+    assert f"`{'MAX_QUEUE'}`" in (DOCS / "results" / "settings.md").read_text()
+
+
+def test_the_settings_check_fails_on_a_stale_table(tmp_path: Path) -> None:
+    stale = tmp_path / "settings.md"
+    stale.write_text(settings_doc.render().replace("MAX_QUEUE", "MAX_QUEUE_OLD"))
+    assert settings_doc.main(["--check", "--out", str(stale)]) == 1
+
+
+def test_tables_rendered_from_json_results_are_current() -> None:
+    assert docs_tables.main(["--check"]) == 0, "run `python -m common.docs_tables` and commit the result"
+
+
+def test_the_tables_check_fails_on_a_stale_table(tmp_path: Path) -> None:
+    (tmp_path / "stage0.json").write_text(json.dumps(_STAGE0_SAMPLE))
+    assert docs_tables.main(["--results", str(tmp_path)]) == 0
+    assert docs_tables.main(["--check", "--results", str(tmp_path)]) == 0
+    table = tmp_path / "stage0.md"
+    table.write_text(table.read_text().replace("| fp32 |", "| fp16 |"))
+    assert docs_tables.main(["--check", "--results", str(tmp_path)]) == 1
+
+
+_STAGE0_SAMPLE = {
+    "command": "python -m stage0_script --bench",
+    "machine": {"cpu": "cpu", "cores": 2, "memory_gib": 1.0, "date": "d", "versions": {"onnxruntime": "1"}},
+    "texts": {"kind": "sentence", "count": 2},
+    "int8_default": "int8-dynamic",
+    "variants": [
+        {
+            "variant": "fp32",
+            "size_mb": 90.4,
+            "load_s": 0.3,
+            "latency_ms_batch1": {"p50": 5.0, "p90": 6.0},
+            "items_per_s": {"1": 100.0, "32": 300.0},
+            "quality": {"stsb_spearman_x100": 86.7},
+        }
+    ],
+}
+
+
+@pytest.mark.timeout(180)
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # Material's banner about its successor
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (site / "index.html").exists() and (site / "operating" / "index.html").exists()
+    # offline: the theme pulls nothing from a CDN or Google Fonts
+    assert "fonts.googleapis.com" not in (site / "index.html").read_text()
