@@ -43,29 +43,22 @@ def _free_port() -> int:
 class RedisServer:
     """A ``redis-server`` process of our own: start, stop (kill), pause (SIGSTOP), resume."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, password: str | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail(
                 "redis-server is not installed (apt-get install redis-server): Redis tests cannot run"
             )
-        self.binary, self.workdir, self.port = binary, workdir, _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.binary, self.workdir, self.port, self.password = binary, workdir, _free_port(), password
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        args = [
-            self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ]
-        args += ["--daemonize", "no", "--dir", str(self.workdir)]
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        args += ["--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir)]
+        if self.password:
+            args += ["--requirepass", self.password]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while not answers(self.url):
@@ -89,8 +82,8 @@ class RedisServer:
 
 
 @contextmanager
-def own_redis(workdir: Path) -> Iterator[RedisServer]:
-    server = RedisServer(workdir)
+def own_redis(workdir: Path, password: str | None = None) -> Iterator[RedisServer]:
+    server = RedisServer(workdir, password)
     server.start()
     try:
         yield server

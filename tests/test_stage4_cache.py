@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
+from redis_support import own_redis
 
 from common.settings import Settings
 from stage4_cache_backpressure.cache import (
@@ -189,6 +191,24 @@ async def test_redis_slow_times_out_then_backs_off(private_redis) -> None:  # ty
             await asyncio.sleep(0.1)
     finally:
         await tier.close()
+
+
+async def test_redis_password_in_the_url(tmp_path: Path) -> None:
+    with own_redis(tmp_path, password="s3cret") as server:
+        stats = CacheStats()
+        tier = RedisCache(server.url, ttl_s=60, timeout_ms=500, value_bytes=VALUE_BYTES, stats=stats)
+        bad_url = server.url.replace("s3cret", "wrong")
+        wrong = RedisCache(bad_url, ttl_s=60, timeout_ms=500, value_bytes=VALUE_BYTES, stats=stats)
+        await tier.start()
+        await wrong.start()
+        try:
+            await tier.put_many({"k": _vec(5).tobytes()})
+            assert await tier.get_many(["k"]) == [_vec(5).tobytes()]
+            assert await wrong.get_many(["k"]) == [None]  # refused: a counted error, not an exception
+            assert sum(stats.errors.values()) == 1
+        finally:
+            await tier.close()
+            await wrong.close()
 
 
 # --- the two tiers together ----------------------------------------------------------
