@@ -261,7 +261,8 @@ def markdown(r: dict[str, Any]) -> str:
     ]
     for stage in (S4, S3):
         for status, s in ov[stage]["by_status"].items():
-            lines.append(f"| {stage} | {status} | {s['n']} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} |")
+            label = "connection failed" if status == "0" else status
+            lines.append(f"| {stage} | {label} | {s['n']} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} |")
     lines.append("")
     for stage in (S4, S3):
         run = ov[stage]
