@@ -49,6 +49,7 @@ class BearerAuth:
             return True
         return self.protect_metrics and any(path == p or path.startswith(p + "/") for p in _METRICS_PATHS)
 
+    # --8<-- [start:check]
     def _allowed(self, header: bytes | None) -> bool:
         if header is None:
             return False
@@ -61,6 +62,8 @@ class BearerAuth:
         for key in self.keys:
             matched |= hmac.compare_digest(presented, key)
         return matched
+
+    # --8<-- [end:check]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self._protected(scope["path"]):

@@ -128,6 +128,7 @@ def sigterm_drain(stage: str, log_dir: Path, burst: int = 12, texts_per_request:
         async def run() -> dict[str, Any]:
             headers = {"x-request-timeout": "300"}
             async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+                # --8<-- [start:gate]
                 tasks = [
                     asyncio.create_task(client.post("/v1/embed", json=b, headers=headers)) for b in bodies
                 ]
@@ -136,6 +137,7 @@ def sigterm_drain(stage: str, log_dir: Path, burst: int = 12, texts_per_request:
                 signalled = time.monotonic()
                 server.signal(signal.SIGTERM)
                 after = await _probe_after_signal(server.url, probes=5)
+                # --8<-- [end:gate]
                 answers = await asyncio.gather(*tasks, return_exceptions=True)
             ok = [a for a in answers if isinstance(a, httpx.Response) and a.status_code == 200]
             exit_code = await asyncio.to_thread(server.wait, 180)

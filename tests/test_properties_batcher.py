@@ -164,6 +164,7 @@ def _cancel_later(task: asyncio.Task[np.ndarray], ticks: int) -> None:
     asyncio.get_running_loop().create_task(cancel())
 
 
+# --8<-- [start:check]
 def _check_answer(sub: Submission, task: asyncio.Task[np.ndarray]) -> None:
     poisoned = any(POISON in t for t in sub.texts)
     if task.cancelled():
@@ -180,6 +181,9 @@ def _check_answer(sub: Submission, task: asyncio.Task[np.ndarray]) -> None:
     else:
         assert isinstance(exc, PoisonedInput), f"unexpected error {exc!r}"
         assert poisoned, "an innocent request failed with its neighbour's model error"
+
+
+# --8<-- [end:check]
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
