@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -324,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "docs/results/soak.json")
     parser.add_argument("--plot", type=Path, default=REPO / "docs/img/soak.png")
     args = parser.parse_args(argv)
+    _stop_children_on_sigterm()
     with tempfile.TemporaryDirectory() as logs:
         result = run(args.duration, Path(logs))
     command = (
@@ -334,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result.verdict, indent=1))
     print(f"wrote {args.out} and {args.plot}")
     return 0 if result.passed else 1
+
+
+def _stop_children_on_sigterm() -> None:
+    # SIGTERM's default kills this process without unwinding, orphaning the servers it started.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 if __name__ == "__main__":
