@@ -6,7 +6,9 @@ thread (the model call gets the cores, the event loop stays free) and resolves t
 
 * Tiers: below BATCH_LOW_THRESHOLD queued texts a batch goes at once; at MEDIUM and
   HIGH depth it waits up to BATCH_WINDOW_MS (from the oldest text's arrival) to fill.
-* Failures: a batch that raises is split in halves until the guilty text is alone, so
+* Length buckets (SPLIT_BY_LENGTH): a batch runs as a few model calls of similar lengths
+  when the padding saved is worth more than the extra calls (CALL_OVERHEAD_TOKENS).
+* Failures: a call that raises is split in halves until the guilty text is alone, so
   only its caller gets the error; the loop logs and carries on, no future is left pending.
 """
 
@@ -17,8 +19,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, TypeAlias
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
 
 import numpy as np
 
@@ -30,9 +33,9 @@ from stage3_batching.stats import BatcherStats, BatchRecord
 
 __all__ = ["BatchOutcome", "BatchRecord", "Batcher", "BatcherStats", "DeadlineExceeded"]
 log = logging.getLogger("embedserve.batcher")
-Rows: TypeAlias = np.ndarray | list[np.ndarray | Exception]  # all rows, or (after a failure) row by row
 CONFIG = ("max_batch_size", "max_batch_tokens", "batch_window_ms", "batch_low_threshold",
-          "batch_high_threshold", "group_by_length", "group_window")  # fmt: skip
+          "batch_high_threshold", "group_by_length", "group_window", "split_by_length",
+          "call_overhead_tokens")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -169,32 +172,34 @@ class Batcher:
     # --8<-- [start:run]
     async def _run_batch(self, batch: list[QueuedText], tier: str) -> None:
         started = time.perf_counter()
-        ids = [e.ids for e in batch]
         self._in_flight = 1
         try:  # NEW: the model runs in the one executor thread; the event loop keeps serving
-            rows = await asyncio.get_running_loop().run_in_executor(self._pool, self._compute, ids)
+            done = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._compute, [t.ids for t in batch]
+            )
         finally:
             self._in_flight = 0
-        lengths = [e.n_tokens for e in batch]
         record = BatchRecord(
             size=len(batch),
-            padded_tokens=len(batch) * max(lengths),
-            real_tokens=sum(lengths),
+            padded_tokens=done.padded_tokens,
+            real_tokens=sum(t.n_tokens for t in batch),
             tier=tier,
-            queue_ms=[(started - e.req.enqueued) * 1e3 for e in batch],
+            queue_ms=[(started - t.req.enqueued) * 1e3 for t in batch],
             inference_ms=(time.perf_counter() - started) * 1e3,
-            error=None if isinstance(rows, np.ndarray) else _first_error(rows),
+            error=next((type(e).__name__ for e in done.errors.values()), None),
+            calls=done.calls,
         )
-        for row, entry in enumerate(batch):  # hand each caller its rows
-            req, value = entry.req, rows[row]
+        vectors, errors = done.vectors, done.errors
+        for row, text in enumerate(batch):  # hand each caller its rows
+            req = text.req
             if req.future.done():
                 continue
-            if isinstance(value, Exception):
-                req.fail(value)
+            if vectors is None or row in errors:
+                req.fail(errors[row])
                 continue
             if req.vectors is None:
-                req.vectors = np.empty((req.left, len(value)), np.float32)
-            req.vectors[entry.index] = value
+                req.vectors = np.empty((req.left, vectors.shape[1]), np.float32)
+            req.vectors[text.index] = vectors[row]
             req.left -= 1
             req.queue_ms = max(req.queue_ms, record.queue_ms[row])
             if req.last_batch is not record:  # the caller's first text in this batch
@@ -215,24 +220,73 @@ class Batcher:
     # --8<-- [end:run]
 
     # --8<-- [start:compute]
-    def _compute(self, ids: list[np.ndarray]) -> Rows:
-        """Run the model (executor thread); if it raises, split the batch to find the guilty text."""
-        try:
-            return self._checked_run(ids)
-        except Exception as exc:
-            if len(ids) == 1:
-                return [exc]
-        half = len(ids) // 2
-        return [*self._compute(ids[:half]), *self._compute(ids[half:])]
+    def _compute(self, ids: list[np.ndarray]) -> _Computed:
+        """Run one batch (executor thread): one model call, or calls of similar lengths."""
+        done = _Computed(len(ids))
+        lengths = np.fromiter((len(i) for i in ids), np.int64, len(ids))
+        if not self.settings.split_by_length:
+            done.padded_tokens = len(ids) * int(lengths.max())
+            self._run_rows(ids, np.arange(len(ids)), done)
+            return done
+        order = np.argsort(lengths, kind="stable")
+        for bucket in length_buckets(lengths[order], self.settings.call_overhead_tokens):
+            rows = order[bucket]
+            done.padded_tokens += len(rows) * int(lengths[rows[-1]])
+            self._run_rows(ids, rows, done)
+        return done
 
-    def _checked_run(self, ids: list[np.ndarray]) -> np.ndarray:
-        vectors = self._run(ids)
-        if vectors.shape[0] != len(ids):  # never hand a caller someone else's vector
-            raise RuntimeError(f"the model returned {vectors.shape[0]} vectors for {len(ids)} texts")
-        return vectors
+    def _run_rows(self, ids: list[np.ndarray], rows: np.ndarray, done: _Computed) -> None:
+        """One model call; if it raises, split it in halves until the guilty text is alone."""
+        done.calls += 1
+        try:
+            vectors = self._run([ids[i] for i in rows])
+            if vectors.shape[0] != len(rows):  # never hand a caller someone else's vector
+                raise RuntimeError(f"the model returned {vectors.shape[0]} vectors for {len(rows)} texts")
+        except Exception as exc:
+            if len(rows) == 1:
+                done.errors[int(rows[0])] = exc
+                return
+            self._run_rows(ids, rows[: len(rows) // 2], done)
+            self._run_rows(ids, rows[len(rows) // 2 :], done)
+            return
+        if done.vectors is None:
+            done.vectors = np.zeros((done.n, vectors.shape[1]), np.float32)
+        done.vectors[rows] = vectors
 
     # --8<-- [end:compute]
 
 
-def _first_error(rows: list[np.ndarray | Exception]) -> str | None:
-    return next((type(r).__name__ for r in rows if isinstance(r, Exception)), None)
+@dataclass(slots=True)
+class _Computed:
+    """One batch's result: vectors by row, and the rows whose text made the model raise."""
+
+    n: int
+    vectors: np.ndarray | None = None
+    errors: dict[int, Exception] = field(default_factory=dict)
+    calls: int = 0
+    padded_tokens: int = 0
+
+
+# --8<-- [start:buckets]
+def length_buckets(lengths: np.ndarray, overhead: int) -> list[slice]:
+    """Cut ascending ``lengths`` into runs so that calls x overhead + padded tokens is least.
+
+    On a CPU a padded token costs as much as a real one, and one more model call costs
+    about ``overhead`` tokens (measured by loadtests/batch_sweep.py), so a batch of
+    mixed lengths runs faster as a few calls of similar lengths than as one.
+    """
+    n = len(lengths)
+    best = np.zeros(n + 1)
+    start = np.zeros(n + 1, np.int64)
+    for end in range(1, n + 1):  # best[end]: cheapest way to run the first `end` texts
+        costs = best[:end] + overhead + (end - np.arange(end)) * lengths[end - 1]
+        start[end] = int(np.argmin(costs))
+        best[end] = costs[start[end]]
+    cuts = [n]
+    while cuts[-1] > 0:
+        cuts.append(int(start[cuts[-1]]))
+    cuts.reverse()
+    return [slice(a, b) for a, b in pairwise(cuts)]
+
+
+# --8<-- [end:buckets]

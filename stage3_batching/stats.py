@@ -12,18 +12,20 @@ class BatchRecord:
     """One model call, handed to observers (``Batcher(on_batch=...)``; stage 5 hooks in here)."""
 
     size: int  # texts in the batch
-    padded_tokens: int  # rows x longest row: what the model computes
+    padded_tokens: int  # rows x longest row, summed over the calls: what the model computes
     real_tokens: int  # sum of row lengths: what was asked for
     tier: str  # "low" | "medium" | "high"
     queue_ms: list[float]  # per text: enqueued -> batch start
     inference_ms: float
     error: str | None  # exception type name when the model raised
+    calls: int = 1  # model calls the batch ran as (length buckets, failure isolation)
 
 
 @dataclass(slots=True)
 class BatcherStats:
     batches: int = 0
     texts: int = 0
+    calls: int = 0
     padded_tokens: int = 0
     real_tokens: int = 0
     failed_batches: int = 0
@@ -34,6 +36,7 @@ class BatcherStats:
     def add(self, record: BatchRecord) -> None:
         self.batches += 1
         self.texts += record.size
+        self.calls += record.calls
         self.padded_tokens += record.padded_tokens
         self.real_tokens += record.real_tokens
         self.failed_batches += record.error is not None
@@ -49,6 +52,7 @@ class BatcherStats:
         return {
             "batches": self.batches,
             "texts": self.texts,
+            "model_calls": self.calls,
             "average_batch_size": self.texts / self.batches if self.batches else 0.0,
             "batch_size_distribution": {str(k): v for k, v in sorted(self.sizes.items())},
             "tiers": {t: self.tiers[t] for t in ("low", "medium", "high")},

@@ -20,7 +20,7 @@ import pytest
 from common import corpus
 from common.engine import Engine, TokenizedText, l2_normalize
 from common.settings import Settings
-from stage3_batching.batcher import Batcher, BatchOutcome, BatchRecord, DeadlineExceeded
+from stage3_batching.batcher import Batcher, BatchOutcome, BatchRecord, DeadlineExceeded, length_buckets
 
 SHORT = 1.0  # seconds: generous for "it happens", it never elapses when the code is right
 BLOCKED = 0.2  # seconds: how long we watch for "it does not happen"
@@ -73,6 +73,8 @@ def make_settings(**overrides: Any) -> Settings:
         "batch_high_threshold": 10,
         "group_by_length": False,
         "group_window": 64,
+        "split_by_length": False,
+        "call_overhead_tokens": 32,
     }
     return Settings(**{**base, **overrides})
 
@@ -197,7 +199,7 @@ async def test_max_batch_tokens_counts_padded_tokens(model: FakeModel, records: 
     await asyncio.sleep(0)
     model.gate.set()
     await done(first, *short, long, *tail)
-    assert model.calls[1:] == [[1, 2, 3], [4, 5], [6]]
+    assert model.calls[1:] == [[1, 2, 3], [4, 5], [6]]  # one call per batch, in queue order
     assert all(r.padded_tokens <= 40 for r in records)
     assert [(r.padded_tokens, r.real_tokens) for r in records[1:]] == [(30, 30), (40, 30), (10, 10)]
     await batcher.close()
@@ -258,6 +260,50 @@ async def test_grouping_reorders_only_within_one_window(model: FakeModel, record
     first_batch = model.calls[1]
     assert 0 in first_batch  # the round starts with the batch that holds the oldest text
     assert len({lengths[m] for m in first_batch}) <= 2
+
+
+# --- length buckets inside a batch -----------------------------------------------------
+def _cheapest_by_brute_force(lengths: list[int], overhead: int) -> int:
+    best = None
+    for mask in range(2 ** (len(lengths) - 1)):  # every way to cut the sorted list into runs
+        cost, start = 0, 0
+        for end in range(1, len(lengths) + 1):
+            if end == len(lengths) or mask >> (end - 1) & 1:
+                cost += overhead + (end - start) * lengths[end - 1]
+                start = end
+        best = cost if best is None else min(best, cost)
+    assert best is not None
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_length_buckets_are_the_cheapest_cut(seed: int) -> None:
+    rng = random.Random(seed)
+    lengths = sorted(rng.choice([3, 5, 9, 20, 21, 60, 256]) for _ in range(rng.randint(1, 11)))
+    overhead = rng.choice([0, 8, 32, 500])
+    buckets = length_buckets(np.array(lengths), overhead)
+    assert [i for b in buckets for i in range(len(lengths))[b]] == list(range(len(lengths)))
+    cost = sum(overhead + len(lengths[b]) * lengths[b][-1] for b in buckets)
+    assert cost == _cheapest_by_brute_force(lengths, overhead)
+
+
+async def test_a_mixed_batch_runs_as_calls_of_similar_lengths(
+    model: FakeModel, records: list[BatchRecord]
+) -> None:
+    batcher = await started(model, records, split_by_length=True, call_overhead_tokens=32)
+    first = await hold_model(batcher, model)
+    lengths = {1: 100, 2: 6, 3: 100, 4: 7, 5: 6, 6: 100}
+    tasks = [submit(batcher, m, n_tokens=n) for m, n in lengths.items()]
+    await asyncio.sleep(0)
+    model.gate.set()
+    await done(first, *tasks)
+    assert [sorted(c) for c in model.calls[1:]] == [[2, 4, 5], [1, 3, 6]]
+    assert [markers(t.result()) for t in tasks] == [[m] for m in lengths]
+    record = records[-1]
+    assert record.size == 6 and record.calls == 2
+    assert record.padded_tokens == 3 * 7 + 3 * 100 < 6 * 100  # one call would pad all to 100
+    assert batcher.stats.calls == 3
+    await batcher.close()
 
 
 # --- failures -----------------------------------------------------------------------
@@ -357,11 +403,14 @@ async def test_close_finishes_everything_queued(model: FakeModel, records: list[
         await batcher.submit([tok(1)])
 
 
+@pytest.mark.parametrize("split", [False, True])
 async def test_no_future_is_left_pending_under_random_load(
-    model: FakeModel, records: list[BatchRecord]
+    model: FakeModel, records: list[BatchRecord], split: bool
 ) -> None:
     """Random sizes, lengths, cancellations and failures: every caller gets an answer."""
-    batcher = await started(model, records, group_by_length=True, group_window=16, batch_window_ms=1.0)
+    batcher = await started(
+        model, records, group_by_length=True, group_window=16, batch_window_ms=1.0, split_by_length=split
+    )
     rng = random.Random(11)
     model.poison = lambda ids: any(int(row[0]) % 13 == 0 for row in ids)
     tasks = []
@@ -385,10 +434,16 @@ async def test_no_future_is_left_pending_under_random_load(
 
 
 # --- the real engine ----------------------------------------------------------------
-async def _each_caller_gets_its_own_vectors(engine: Engine) -> np.ndarray:
+async def _each_caller_gets_its_own_vectors(engine: Engine, split: bool = False) -> np.ndarray:
     texts = corpus.texts(48, seed=21, kind="mixed")
     tokens = engine.tokenize(texts)
-    batcher = Batcher(engine.run, make_settings(max_batch_size=16, group_by_length=True, batch_window_ms=5.0))
+    options = {
+        "max_batch_size": 16,
+        "group_by_length": True,
+        "batch_window_ms": 5.0,
+        "split_by_length": split,
+    }
+    batcher = Batcher(engine.run, make_settings(**options))
     await batcher.start()
     cuts = [0, 1, 4, 5, 20, 21, 40, 48]  # requests of 1, 3, 1, 15, 1, 19, 8 texts
     outcomes = await asyncio.gather(*(batcher.submit(tokens[a:b]) for a, b in itertools.pairwise(cuts)))
@@ -399,9 +454,16 @@ async def _each_caller_gets_its_own_vectors(engine: Engine) -> np.ndarray:
     return np.asarray((served * alone).sum(axis=1))
 
 
-async def test_each_caller_gets_its_own_vectors_fp32(fp32_engine: Engine) -> None:
-    cosines = await _each_caller_gets_its_own_vectors(fp32_engine)
+@pytest.mark.parametrize("split", [False, True])
+async def test_each_caller_gets_its_own_vectors_fp32(fp32_engine: Engine, split: bool) -> None:
+    cosines = await _each_caller_gets_its_own_vectors(fp32_engine, split)
     assert cosines.min() > 0.99999  # fp32 is batch invariant: any mix-up would show
+
+
+async def test_length_buckets_change_nothing_with_static_int8(settings: Settings) -> None:
+    static = Engine(settings.model_dir, variant="int8-static")
+    cosines = await _each_caller_gets_its_own_vectors(static, split=True)
+    assert cosines.min() > 0.99999  # batch invariant: splitting by length is free
 
 
 async def test_each_caller_gets_its_own_vectors_int8(engine: Engine) -> None:
