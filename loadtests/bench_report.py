@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,12 @@ from typing import Any
 
 def _us(seconds: float) -> str:
     return f"{seconds * 1e6:,.1f}"
+
+
+def _order(bench: dict[str, Any]) -> tuple[str, list[Any]]:
+    """By group, then by name with numbers compared as numbers (``[8]`` before ``[64]``)."""
+    parts = re.split(r"(\d+)", bench["name"])
+    return bench.get("group") or "", [int(p) if p.isdigit() else p for p in parts]
 
 
 def markdown(data: dict[str, Any]) -> str:
@@ -30,7 +37,7 @@ def markdown(data: dict[str, Any]) -> str:
         "| group | benchmark | median µs | mean µs | min µs | rounds | per item µs |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for b in sorted(data["benchmarks"], key=lambda b: (b.get("group") or "", b["name"])):
+    for b in sorted(data["benchmarks"], key=_order):
         s, extra = b["stats"], b.get("extra_info", {})
         items = extra.get("texts") or extra.get("requests") or extra.get("keys") or 1
         lines.append(

@@ -127,11 +127,11 @@ class _EmbedUser(FastHttpUser):
             name=self.request_name,
         ) as resp:
             if resp.status_code != 200:
-                # One failure entry per status: compare.py counts 503s apart from the rest.
+                # One failure entry per status: the reports count 503s apart from the rest.
                 resp.failure(f"HTTP {resp.status_code}")
                 return
             content = resp.content or b""
-            # Counting separators costs microseconds; parsing every float would cost the server CPU.
+            # Counting separators costs microseconds; parsing every float would take CPU the server needs.
             got = content.count(marker) + (0 if self.openai else 1)
             if got != len(texts):
                 resp.failure(f"expected {len(texts)} vectors, got {got}")

@@ -39,6 +39,10 @@ def _f(value: float | None, digits: int = 1, suffix: str = "") -> str:
     return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _pct(value: float | None) -> float | None:
     return None if value is None else 100 * value
 
@@ -83,8 +87,9 @@ def markdown(result: dict[str, Any]) -> str:
             continue
         extra = " ".join(profile["options"])
         table = [
-            f"`{profile['user_class']}`, {profile['users']} users, {profile['texts_per_request']} text(s)"
-            f" per request, {profile['text_kind']} texts{', ' + extra if extra else ''}.",
+            f"`{profile['user_class']}`, {_n(profile['users'], 'user')},"
+            f" {_n(profile['texts_per_request'], 'text')} per request,"
+            f" {profile['text_kind']} texts{', ' + extra if extra else ''}.",
             "",
             "| stage | req/s | p50 ms | p95 ms | p99 ms | 503 | other failures | × previous"
             " | of ceiling | server cores | Locust cores | other cores |",
@@ -143,6 +148,8 @@ def plots(result: dict[str, Any], folder: Path) -> list[Path]:
             if pairs:
                 left.plot(*zip(*pairs, strict=True), marker="o", label=STAGE_LABELS.get(stage, stage))
         left.set_xscale("log", base=2)
+        left.set_xticks([p["users"] for p in unique], [str(p["users"]) for p in unique])
+        left.minorticks_off()
         left.set_xlabel("concurrent users (unique texts)")
         left.set_ylabel(label)
         if log:
@@ -173,3 +180,21 @@ def plots(result: dict[str, Any], folder: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Render compare.md and the plots again from a compare.json (after changing this module)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("json", type=Path, nargs="?", default=Path("docs/results/compare.json"))
+    parser.add_argument("--img", type=Path, default=Path("docs/img"))
+    args = parser.parse_args(argv)
+    result = json.loads(args.json.read_text())
+    args.json.with_suffix(".md").write_text(markdown(result))
+    plots(result, args.img)
+
+
+if __name__ == "__main__":
+    main()
