@@ -1,5 +1,7 @@
 """`make bench`'s last step: pytest-benchmark's JSON -> docs/results/bench.md (the table the docs include).
 
+It also drops the raw per-round times from the JSON, which would make it megabytes.
+
 python -m loadtests.bench_report docs/results/bench.json docs/results/bench.md
 """
 
@@ -53,7 +55,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("json", type=Path)
     parser.add_argument("markdown", type=Path)
     args = parser.parse_args(argv)
-    args.markdown.write_text(markdown(json.loads(args.json.read_text())))
+    data = json.loads(args.json.read_text())
+    # pytest-benchmark's JSON keeps every round's time (hundreds of thousands for a dict lookup);
+    # the statistics are what the docs and --benchmark-compare use, so keep the file small.
+    for bench in data["benchmarks"]:
+        bench["stats"].pop("data", None)
+    args.json.write_text(json.dumps(data, indent=1) + "\n")
+    args.markdown.write_text(markdown(data))
     print(f"wrote {args.markdown}")
 
 
