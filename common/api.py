@@ -184,10 +184,14 @@ def _deadline(request: Request, settings: Settings) -> float:
 
 
 def _timing_headers(result: EmbedResult, started: float) -> dict[str, str]:
-    headers = {"x-total-time": f"{(time.perf_counter() - started) * 1e3:.2f}"}
-    for key in ("inference", "queue"):
-        if f"{key}_ms" in result.timings:
-            headers[f"x-{key}-time"] = f"{result.timings[f'{key}_ms']:.2f}"
+    """x-total-time and x-inference-time on every answer (0 when no model ran: a cache hit);
+    x-queue-time when the backend has a queue."""
+    headers = {
+        "x-total-time": f"{(time.perf_counter() - started) * 1e3:.2f}",
+        "x-inference-time": f"{result.timings.get('inference_ms', 0.0):.2f}",
+    }
+    if "queue_ms" in result.timings:
+        headers["x-queue-time"] = f"{result.timings['queue_ms']:.2f}"
     headers.update(result.headers)
     return headers
 

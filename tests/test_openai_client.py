@@ -10,12 +10,10 @@ import numpy as np
 import openai
 import pytest
 from conftest import SERVER_STAGES, Server
+from fresh import fresh_texts, full_length_texts
 from openai import OpenAI
 
-from common.corpus import texts as corpus_texts
 from common.engine import Engine
-
-TEXTS = corpus_texts(5, seed=3, kind="mixed")
 
 
 @pytest.fixture(scope="module", params=SERVER_STAGES)
@@ -45,24 +43,28 @@ def test_embeddings_match_the_engine(
 ) -> None:
     # None: the client's default, which asks the server for base64 and decodes it itself.
     kwargs = {} if encoding_format is None else {"encoding_format": encoding_format}
-    response = client.embeddings.create(model=served_id, input=TEXTS, **kwargs)  # type: ignore[arg-type]
+    # Texts of one length: one model call on every stage (see test_equivalence.py).
+    texts = full_length_texts(engine, 5)
+    response = client.embeddings.create(model=served_id, input=texts, **kwargs)  # type: ignore[arg-type]
     assert response.model == served_id
-    assert [d.index for d in response.data] == list(range(len(TEXTS)))
+    assert [d.index for d in response.data] == list(range(len(texts)))
     if encoding_format == "base64":  # asked for explicitly, the client hands the strings through
         got = np.stack([np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in response.data])
     else:
         got = np.asarray([d.embedding for d in response.data], dtype=np.float32)
-    assert got.shape == (len(TEXTS), 384)
+    assert got.shape == (len(texts), 384)
     # the same list through the engine alone; see test_equivalence.py for the tolerance
-    np.testing.assert_allclose(got, engine.embed(TEXTS).vectors, atol=1e-5)
-    expected_tokens = sum(t.n_tokens for t in engine.tokenize(TEXTS))
+    np.testing.assert_allclose(got, engine.embed(texts).vectors, atol=1e-5)
+    expected_tokens = sum(t.n_tokens for t in engine.tokenize(texts))
     assert response.usage.prompt_tokens == response.usage.total_tokens == expected_tokens
 
 
 def test_one_string(client: OpenAI, served_id: str, engine: Engine) -> None:
-    response = client.embeddings.create(model=served_id, input=TEXTS[0])
+    text = fresh_texts(1)[0]
+    response = client.embeddings.create(model=served_id, input=text)
     assert len(response.data) == 1
-    np.testing.assert_allclose(response.data[0].embedding, engine.embed(TEXTS[:1]).vectors[0], atol=1e-5)
+    np.testing.assert_allclose(response.data[0].embedding, engine.embed([text]).vectors[0], atol=1e-5)
+    assert response.usage.prompt_tokens == engine.tokenize([text])[0].n_tokens
 
 
 def test_bad_input_surfaces_as_the_clients_error_with_our_message(client: OpenAI, served_id: str) -> None:
