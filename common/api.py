@@ -220,7 +220,7 @@ class LeanRoute(APIRoute):
     """
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        return self.endpoint  # type: ignore[return-value]
+        return self.endpoint
 
 
 # --8<-- [end:lean_route]
