@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import redis as redis_client
 
 from common import corpus
 from loadtests.procs import StageProcess, free_port, redis_server, stage_process
@@ -188,6 +189,18 @@ async def _probe_after_signal(url: str, probes: int) -> dict[str, int]:
 
 
 # --- SIGKILL and restart ------------------------------------------------------------------
+def _wait_for_keys(url: str, n: int, timeout_s: float = 10) -> int:
+    """Redis holds ``n`` keys (the write after the answer has landed), or the count at the timeout."""
+    client = redis_client.Redis.from_url(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (size := int(client.dbsize())) < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return size
+    finally:
+        client.close()
+
+
 def sigkill_restart(stage: str, log_dir: Path, with_redis: bool = True, n_texts: int = 40) -> dict[str, Any]:
     texts = corpus.texts(n_texts, seed=903, kind="sentence")
     pool = corpus.texts(200, seed=904, kind="sentence")
@@ -196,12 +209,15 @@ def sigkill_restart(stage: str, log_dir: Path, with_redis: bool = True, n_texts:
         return {"inputs": rng.sample(pool, 2)}
 
     with redis_server() as redis:
-        env = {"CACHE_URL": redis.url} if with_redis else {}
+        # A generous Redis timeout: this scenario is about surviving a crash, and on a busy
+        # machine the default 50 ms can drop the very write it wants to find afterwards.
+        env = {"CACHE_URL": redis.url, "CACHE_TIMEOUT_MS": "2000"} if with_redis else {}
         server = StageProcess(stage, env, log_dir / f"{stage}-sigkill-{free_port()}.log")
         server.start()
         try:
             first = httpx.post(f"{server.url}/v1/embed", json={"inputs": texts}, timeout=120)
             first.raise_for_status()
+            stored = _wait_for_keys(redis.url, n_texts) if with_redis else 0
 
             async def kill_under_load() -> list[Outcome]:
                 outcomes: list[Outcome] = []
@@ -231,5 +247,6 @@ def sigkill_restart(stage: str, log_dir: Path, with_redis: bool = True, n_texts:
         "cache_after_restart": second.headers.get("x-cache"),
         "cache_hits_after_restart": int(second.headers.get("x-cache-hits", 0)),
         "texts": n_texts,
+        "keys_in_redis_before_kill": stored,
         "same_vectors": bool(np.allclose(v1, v2, atol=1e-6)),
     }

@@ -46,6 +46,7 @@ def test_sigkill_and_restart_comes_back_warm(stage: str, tmp_path: Path) -> None
     result = faults.sigkill_restart(stage, tmp_path, with_redis=True)
     assert result["requests_during_kill"] > 0
     assert result["cache_before"] == "miss"
+    assert result["keys_in_redis_before_kill"] >= result["texts"]
     assert result["cache_after_restart"] == "hit", result  # the memory tier died; Redis did not
     assert result["cache_hits_after_restart"] == result["texts"]
     assert result["same_vectors"]
