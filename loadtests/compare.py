@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -166,8 +168,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     started = datetime.now(UTC)
     points: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
     for stage in stages:
-        points += run_stage(stage, profiles, args)
+        try:
+            points += run_stage(stage, profiles, args)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            # One broken stage must not cost the other stages' results of a long run.
+            failed[stage] = f"{type(exc).__name__}: {exc}"
+            print(f"{stage}: FAILED, {failed[stage]} (logs in {args.raw / stage})", flush=True)
     print("engine ceiling: measuring the engine alone ...", flush=True)
     ceiling = engine_ceiling(sorted({p.text_kind for p in profiles}), args.ceiling_seconds)
     for kind, c in ceiling.items():
@@ -176,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
 
     result = {
-        "command": "make compare" + (" QUICK=1" if args.quick else ""),
+        "command": " ".join(["python -m loadtests.compare", *(sys.argv[1:] if argv is None else argv)]),
         "quick": args.quick,
         "date": started.isoformat(timespec="seconds"),
         "finished": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -193,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         },
         "stages": stages,
         "skipped_stages": skipped,
+        "failed_stages": failed,
         "profiles": [{**vars(p), "options": list(p.options)} for p in profiles],
         "engine_ceiling": ceiling,
         "points": report.add_ratios(points, profiles, ceiling),
@@ -209,4 +218,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["failed_stages"] else 0)

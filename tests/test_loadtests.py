@@ -274,6 +274,24 @@ def test_quick_compare_writes_complete_results(tmp_path: Path) -> None:
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, png
 
 
+def test_compare_reports_a_stage_that_fails_and_exits_nonzero(tmp_path: Path) -> None:
+    """A stage that cannot start (its port is taken) is recorded as failed; the files are still written."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "loadtests.compare", "--quick", "--stages", "1", "--port", str(port),
+             "--profiles", "unique-1", "--ceiling-seconds", "0.1", "--out", str(tmp_path),
+             "--img", str(tmp_path / "img"), "--raw", str(tmp_path / "raw")],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    result = json.loads((tmp_path / "compare.json").read_text())
+    assert list(result["failed_stages"]) == ["stage1_naive"] and result["points"] == []
+    assert "**stage1_naive failed**" in (tmp_path / "compare.md").read_text()
+
+
 def test_bench_suite_runs_once(tmp_path: Path) -> None:
     """`make bench` with timing off: every microbenchmark runs once, so none can rot."""
     done = subprocess.run(
