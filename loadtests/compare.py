@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--stages", help="Comma-separated stages (default: every stage that exists).")
     parser.add_argument("--profiles", help="Comma-separated profile names (default: all).")
     parser.add_argument("--users", help="Keep only these user counts of the unique-text profile, e.g. 8,32.")
+    parser.add_argument(
+        "--endpoint", choices=("/v1/embed", "/v1/embeddings"), default="/v1/embed", help="Route to load."
+    )
     parser.add_argument("--seed", type=int, default=1, help="Base seed of the texts.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="Port for the servers (0: a free one).")
@@ -139,7 +143,7 @@ def run_stage(stage: str, profiles: list[Profile], args: argparse.Namespace) -> 
                 profile,
                 args.duration,
                 raw / profile.name,
-                args.seed * 100 + PROFILES.index(profile),
+                args.seed * 100 + [p.name for p in PROFILES].index(profile.name),
                 server.pid,
                 args.stop_timeout,
             )
@@ -165,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for s in skipped:
         print(f"{s}: skipped, it does not exist in this checkout yet", flush=True)
     profiles = _select_profiles(args.profiles, args.users)
+    if args.endpoint != "/v1/embed":
+        profiles = [replace(p, options=(*p.options, "--endpoint", args.endpoint)) for p in profiles]
 
     started = datetime.now(UTC)
     points: list[dict[str, Any]] = []

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -58,11 +59,18 @@ def web_ui(url: str, web_host: str, web_port: int, extra: Sequence[str]) -> int:
 
 
 def headless(
-    stage: str, url: str, profile_name: str, seconds: float, server_pid: int | None, out: Path
+    stage: str,
+    url: str,
+    profile_name: str,
+    seconds: float,
+    server_pid: int | None,
+    out: Path,
+    endpoint: str = "/v1/embed",
 ) -> dict[str, Any]:
     profile = next((p for p in PROFILES if p.name == profile_name), None)
     if profile is None:
         raise SystemExit(f"unknown profile {profile_name!r}; one of {[p.name for p in PROFILES]}")
+    profile = replace(profile, options=(*profile.options, "--endpoint", endpoint))
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     prefix = out / f"{stage}-{profile.name}-{stamp}"
     harness.warm_up(url, min(5.0, seconds / 4))
@@ -102,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--headless", action="store_true", help="One fixed profile, CSV/JSON out, no UI.")
     parser.add_argument("--profile", default="unique-32", help="Headless profile (see harness.PROFILES).")
     parser.add_argument("--duration", type=float, default=30.0, help="Headless seconds.")
+    parser.add_argument("--endpoint", choices=("/v1/embed", "/v1/embeddings"), default="/v1/embed")
     parser.add_argument("--out", type=Path, default=OUT, help="Folder for results and the server log.")
     parser.add_argument("--web-host", default="127.0.0.1")
     parser.add_argument("--web-port", type=int, default=8089)
@@ -114,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with server_for(stage, host, port, args.out) as pid:
         url = f"http://{host}:{port}"
         if args.headless:
-            headless(stage, url, args.profile, args.duration, pid, args.out)
+            headless(stage, url, args.profile, args.duration, pid, args.out, args.endpoint)
         else:
             with contextlib.suppress(KeyboardInterrupt):
                 web_ui(url, args.web_host, args.web_port, extra)
