@@ -66,7 +66,7 @@ loadtest: setup
 
 ## loadtest-headless: one fixed profile (PROFILE, DURATION s) against stage STAGE; CSV/JSON in out/loadtest/
 loadtest-headless: setup
-	$(PY) -m loadtests.run --stage $(STAGE) --headless --profile $(PROFILE) --duration $(DURATION)
+	$(PY) -m loadtests.run --stage $(STAGE) --headless --profile $(PROFILE) --duration $(DURATION) $(ARGS)
 
 ## compare: every stage under the same Locust profiles, then the engine ceiling (QUICK=1: seconds per point)
 compare: setup
