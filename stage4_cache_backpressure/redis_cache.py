@@ -9,12 +9,16 @@ most one log line per interval; the tier backs off briefly and then recovers by 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 if TYPE_CHECKING:
@@ -58,6 +62,9 @@ class RedisCache:
             timeout=None,  # waiting for a free connection is bounded by the call's timeout below
             socket_connect_timeout=self.timeout_s,
             socket_timeout=max(self.timeout_s, 1.0),
+            # A pooled connection that Redis closed (a restart) is retried once on a fresh one.
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[RedisConnectionError],
         )
         self.client = aioredis.Redis.from_pool(pool)
 
@@ -80,13 +87,13 @@ class RedisCache:
             if not isinstance(raw, list) or len(raw) != len(keys):
                 raise _Garbage(f"MGET returned {type(raw).__name__} for {len(keys)} keys")
         except Exception as exc:
-            self._failed(exc)
+            await self._failed(exc)
             return [None] * len(keys)
         self._recovered()
         values: list[bytes | None] = []
         for value in raw:
             if value is not None and (not isinstance(value, bytes) or len(value) != self.value_bytes):
-                self._failed(_Garbage(f"value of {len(value)} bytes, expected {self.value_bytes}"))
+                await self._failed(_Garbage(f"value of {len(value)} bytes, expected {self.value_bytes}"))
                 value = None  # the model recomputes it and the write below overwrites it
             values.append(value)
         hits = sum(v is not None for v in values)
@@ -105,16 +112,20 @@ class RedisCache:
                         pipe.set(key, value, ex=self.ttl_s)
                     await pipe.execute()
         except Exception as exc:
-            self._failed(exc)
+            await self._failed(exc)
             return
         self.stats.writes["redis"] += len(items)
         self._recovered()
 
-    def _failed(self, exc: BaseException) -> None:
+    async def _failed(self, exc: BaseException) -> None:
         kind = _kind(exc)
         self.stats.errors[kind] += 1
         if kind != "garbage":
             self._down_until = time.monotonic() + self.backoff_s
+            if self.client is not None:  # idle connections may be dead too: reconnect them all later
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(self.timeout_s):
+                        await self.client.connection_pool.disconnect(inuse_connections=False)
         self._failing = True
         self._failures_unlogged += 1
         now = time.monotonic()
