@@ -23,7 +23,6 @@ from common.settings import Settings, get_settings
 from stage3_batching.app import add_batcher_routes
 from stage4_cache_backpressure.app import CacheBackend, add_cache_routes
 from stage5_metrics.dashboard import add_telemetry_routes, live_counters
-from stage5_metrics.logs import configure_logging
 from stage5_metrics.savings import CostModel
 from stage5_metrics.telemetry import Telemetry, TelemetryMiddleware, record_of
 
@@ -53,6 +52,10 @@ class MetricsBackend(CacheBackend):
         # NEW: time the model on lone texts once, the baseline of the savings estimate.
         self.telemetry.cost = await run_in_threadpool(CostModel.measure, self.engine)
 
+    async def close(self) -> None:
+        await super().close()
+        self.telemetry.log.flush()  # NEW: the last request lines
+
     async def embed(self, job: EmbedJob) -> EmbedResult:
         record = record_of(job.request.scope) if job.request is not None else None
         if record is None:
@@ -77,8 +80,7 @@ class MetricsBackend(CacheBackend):
 # --8<-- [start:app]
 def build_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
-    configure_logging(settings)  # NEW
-    telemetry = Telemetry()  # NEW: one registry and one window per app
+    telemetry = Telemetry(settings)  # NEW: one registry, one window and the request log per app
 
     def make_backend(engine: Engine, s: Settings) -> MetricsBackend:
         return MetricsBackend(engine, s, telemetry, app)

@@ -6,8 +6,8 @@ request id or a client address, which would make a new time series per request.
 
 Two kinds of metric, two costs:
 
-* events the server sees (a request answered, a batch run) are counted when they happen,
-  once per request and once per batch, never once per text;
+* events the server sees are counted when they happen: once per request in plain integers
+  (``RequestCounters``), once per batch in prometheus-client's own metrics, never per text;
 * state the earlier stages already keep (queue depth, in-flight batches, stage 4's cache and
   rejection counters) is read only when Prometheus scrapes, by ``LiveCollector``: no work at
   all on the request path.
@@ -15,6 +15,7 @@ Two kinds of metric, two costs:
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -28,7 +29,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 PREFIX = "embedserve"
@@ -88,6 +89,88 @@ class LiveCollector(Collector):
             yield info
 
 
+# --8<-- [start:requests]
+class RequestCounters(Collector):
+    """Per-request counters as plain integers, exposed when Prometheus scrapes.
+
+    prometheus-client's ``Counter`` and ``Histogram`` take a lock on every update (they must be
+    thread safe); per request, five of those cost more than a cache hit's whole answer. Here
+    only the event loop's thread writes, and ``/metrics`` is read on that same thread, so plain
+    integers are safe: an update is a dict lookup and an addition.
+    """
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, int], int] = {}
+        self.latency: dict[str, list[int]] = {}  # route -> count per bucket, +Inf last
+        self.latency_sum: dict[str, float] = {}
+        self.queue = [0] * (len(_QUEUE_BUCKETS) + 1)
+        self.queue_sum = 0.0
+        self.texts = 0
+        self.tokens = 0
+
+    def observe(
+        self,
+        route: str,
+        status: int,
+        seconds: float,
+        texts: int = 0,
+        tokens: int = 0,
+        queue_s: float | None = None,
+    ) -> None:
+        """One answered request; ``texts``, ``tokens`` and ``queue_s`` for the embedding routes."""
+        self.texts += texts
+        self.tokens += tokens
+        if queue_s is not None:
+            self.queue[bisect_left(_QUEUE_BUCKETS, queue_s)] += 1
+            self.queue_sum += queue_s
+        key = (route, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        counts = self.latency.get(route)
+        if counts is None:
+            counts = self.latency[route] = [0] * (len(_LATENCY_BUCKETS) + 1)
+            self.latency_sum[route] = 0.0
+        counts[bisect_left(_LATENCY_BUCKETS, seconds)] += 1  # le: the first bound >= seconds
+        self.latency_sum[route] += seconds
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            f"{PREFIX}_requests",
+            "HTTP requests answered, by route and status code.",
+            labels=["route", "status"],
+        )
+        for (route, status), n in sorted(self.requests.items()):
+            requests.add_metric([route, str(status)], n)
+        yield requests
+        yield CounterMetricFamily(f"{PREFIX}_texts", "Texts embedded (in requests answered 200).", self.texts)
+        yield CounterMetricFamily(
+            f"{PREFIX}_tokens", "Tokens embedded, special tokens included.", self.tokens
+        )
+        latency = HistogramMetricFamily(
+            f"{PREFIX}_request_duration_seconds", "Time from request to response, by route.", labels=["route"]
+        )
+        for route, counts in sorted(self.latency.items()):
+            latency.add_metric([route], _cumulative(_LATENCY_BUCKETS, counts), self.latency_sum[route])
+        yield latency
+        queue = HistogramMetricFamily(
+            f"{PREFIX}_queue_wait_seconds",
+            "Time a request's texts waited for the model (requests that reached it).",
+        )
+        queue.add_metric([], _cumulative(_QUEUE_BUCKETS, self.queue), self.queue_sum)
+        yield queue
+
+
+def _cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
+    out: list[tuple[str, float]] = []
+    running = 0
+    for bound, n in zip((*bounds, float("inf")), counts, strict=True):
+        running += n
+        out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+    return out
+
+
+# --8<-- [end:requests]
+
+
 # --8<-- [start:metrics]
 class Metrics:
     """One registry per app (no global state, so tests can build many apps in one process)."""
@@ -99,27 +182,9 @@ class Metrics:
         for default in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             r.register(default)  # process_*, python_info, python_gc_*: the client's defaults
         r.register(LiveCollector(live))
-        self.requests = Counter(
-            f"{PREFIX}_requests",
-            "HTTP requests answered, by route and status code.",
-            ["route", "status"],
-            registry=r,
-        )
-        self.texts = Counter(f"{PREFIX}_texts", "Texts embedded (in requests answered 200).", registry=r)
-        self.tokens = Counter(f"{PREFIX}_tokens", "Tokens embedded, special tokens included.", registry=r)
-        self.latency = Histogram(
-            f"{PREFIX}_request_duration_seconds",
-            "Time from request to response, by route.",
-            ["route"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue = Histogram(
-            f"{PREFIX}_queue_wait_seconds",
-            "Time a request's texts waited for the model (requests that reached it).",
-            buckets=_QUEUE_BUCKETS,
-            registry=r,
-        )
+        self.requests = RequestCounters()  # once per request: plain integers
+        r.register(self.requests)
+        # Once per batch: prometheus-client's own metrics, whose lock costs nothing at this rate.
         self.inference = Histogram(
             f"{PREFIX}_batch_inference_seconds",
             "Model time per batch.",
@@ -145,19 +210,6 @@ class Metrics:
             f"{PREFIX}_batches", "Batches run, by the load tier that formed them.", ["tier"], registry=r
         )
         self.batch_errors = Counter(f"{PREFIX}_batch_errors", "Batches whose model call raised.", registry=r)
-        self._by_route: dict[str, Histogram] = {}
-        self._by_status: dict[tuple[str, int], Counter] = {}
-
-    def observe_request(self, route: str, status: int, seconds: float) -> None:
-        # Label lookups take a lock and build a key; cache the children (routes x statuses stay small).
-        counter = self._by_status.get((route, status))
-        if counter is None:
-            counter = self._by_status[(route, status)] = self.requests.labels(route, str(status))
-        counter.inc()
-        hist = self._by_route.get(route)
-        if hist is None:
-            hist = self._by_route[route] = self.latency.labels(route)
-        hist.observe(seconds)
 
     def observe_batch(
         self, size: int, padded: int, real: int, tier: str, seconds: float, failed: bool

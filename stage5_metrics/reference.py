@@ -28,7 +28,7 @@ def _families() -> list[Metric]:
     backend = cast("CacheBackend", stand_in)  # live_counters reads only these two attributes
     live = LiveState(counters=lambda: live_counters(backend), info={"model": "m", "dimensions": "384"})
     metrics = Metrics(live)
-    metrics.observe_request("/v1/embed", 200, 0.01)  # labelled metrics show their labels once used
+    metrics.requests.observe("/v1/embed", 200, 0.01)  # labelled metrics show their labels once used
     metrics.observe_batch(1, 8, 8, "low", 0.01, failed=False)
     return list(metrics.registry.collect())
 

@@ -9,16 +9,17 @@ backend filled in on the way (texts, tokens, cache hits, queue and inference tim
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import re
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stage5_metrics.logs import REQUEST_LOGGER
+from common.settings import Settings
+from stage5_metrics.logs import RequestLog, RequestRecord
 from stage5_metrics.metrics import LiveState, Metrics
 from stage5_metrics.savings import CostModel
 from stage5_metrics.window import Window
@@ -30,22 +31,9 @@ _QUIET_ROUTES = frozenset(
 )
 _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 _CLIENT_GONE = 499  # no response was sent: the client left first (nginx's code for it)
-
-log = logging.getLogger(REQUEST_LOGGER)
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """What one request did, filled in by the backend; counts and timings, never text."""
-
-    request_id: str
-    texts: int = 0
-    tokens: int = 0
-    cache_hits: int = 0
-    cache_misses: int = 0
-    queue_ms: float | None = None
-    inference_ms: float | None = None
-    saved_cache_ms: float = 0.0
+# Generated ids: a random half per process, a counter for the other (cheaper than 16 random bytes).
+_ID_PREFIX = os.urandom(8).hex()
+_ID_COUNTER = itertools.count()
 
 
 def record_of(scope: Scope) -> RequestRecord | None:
@@ -56,13 +44,14 @@ def _request_id(scope: Scope) -> str:
     for name, value in scope["headers"]:
         if name == b"x-request-id" and _REQUEST_ID.fullmatch(value):
             return value.decode()
-    return os.urandom(16).hex()
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 class Telemetry:
     """The counters of one app: a Prometheus registry, a window for people, a cost model."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Settings) -> None:
+        self.log = RequestLog(settings)
         self.live = LiveState()
         self.metrics = Metrics(self.live)
         self.window = Window()
@@ -97,14 +86,18 @@ class Telemetry:
         """Count one answered request everywhere, then write its log line."""
         route_obj = scope.get("route")
         route = getattr(route_obj, "path", None) or "unmatched"
-        self.metrics.observe_request(route, status, seconds)
         total_ms = seconds * 1e3
         if route in EMBED_ROUTES:
-            if status == 200:
-                self.metrics.texts.inc(record.texts)
-                self.metrics.tokens.inc(record.tokens)
-            if record.queue_ms is not None:
-                self.metrics.queue.observe(record.queue_ms / 1e3)
+            ok = status == 200
+            queue_ms = record.queue_ms
+            self.metrics.requests.observe(
+                route,
+                status,
+                seconds,
+                record.texts if ok else 0,
+                record.tokens if ok else 0,
+                None if queue_ms is None else queue_ms / 1e3,
+            )
             self.window.record_request(
                 status,
                 total_ms,
@@ -112,27 +105,16 @@ class Telemetry:
                 record.tokens,
                 record.cache_hits,
                 record.cache_misses,
-                record.queue_ms,
+                queue_ms,
                 record.saved_cache_ms,
             )
+        else:
+            self.metrics.requests.observe(route, status, seconds)
         level = (
             logging.WARNING if status >= 500 else logging.DEBUG if route in _QUIET_ROUTES else logging.INFO
         )
-        if log.isEnabledFor(level):
-            fields = {
-                "request_id": record.request_id,
-                "method": scope["method"],
-                "route": route,
-                "status": status,
-                "texts": record.texts,
-                "tokens": record.tokens,
-                "cache_hits": record.cache_hits,
-                "cache_misses": record.cache_misses,
-                "queue_ms": None if record.queue_ms is None else round(record.queue_ms, 3),
-                "inference_ms": None if record.inference_ms is None else round(record.inference_ms, 3),
-                "total_ms": round(total_ms, 3),
-            }
-            log.log(level, "request", extra={"fields": fields})
+        if self.log.enabled(level):
+            self.log.write(level, scope["method"], route, status, record, total_ms)
 
 
 # --8<-- [start:middleware]

@@ -22,11 +22,12 @@ from typing import Any
 
 # Upper bounds in ms: 0.05 ms .. ~200 s, each 10 % above the last.
 _BOUNDS: list[float] = [0.05 * 1.1**i for i in range(160)]
+_LAST = len(_BOUNDS) - 1
 TIERS = ("low", "medium", "high")
 
 
 def bucket_of(ms: float) -> int:
-    return min(bisect_left(_BOUNDS, ms), len(_BOUNDS) - 1)
+    return min(bisect_left(_BOUNDS, ms), _LAST)
 
 
 def percentile(histogram: dict[int, int], q: float) -> float | None:
@@ -122,10 +123,10 @@ class Window:
         queue_ms: float | None = None,
         saved_cache_ms: float = 0.0,
     ) -> None:
-        s = self._slot()
+        s = self._slots[-1] if self._slots and self._slots[-1].second == int(self.clock()) else self._slot()
         s.requests += 1
         s.statuses[status] = s.statuses.get(status, 0) + 1
-        index = bucket_of(total_ms)
+        index = min(bisect_left(_BOUNDS, total_ms), _LAST)
         s.latency[index] = s.latency.get(index, 0) + 1
         s.latency_ms += total_ms
         if status == 200:

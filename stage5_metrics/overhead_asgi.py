@@ -1,0 +1,126 @@
+"""Stage 5's cost per request without the network: both apps in one process, driven through ASGI.
+
+    python -m stage5_metrics.overhead_asgi      # prints JSON; `make stage5-overhead` runs it too
+
+Throughput over sockets moves by more than a few percent whenever anything else runs on the
+machine. Here stage 4's and stage 5's apps run in one process, one cached request at a time,
+in alternating blocks, timed in the event loop thread's own CPU time (``time.thread_time``), so
+other programs on the machine hardly count and both apps see the same conditions; the difference is what
+stage 5's middleware, backend subclass, counters, window and request log add to one request.
+Request lines go to a temporary file, as they would to a container's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.types import ASGIApp, Message
+
+_BODY = b'{"inputs": ["a sentence the cache will answer after the first time"]}'
+
+
+def _scope() -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/embed",
+        "raw_path": b"/v1/embed",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(_BODY)).encode())],
+        "server": ("127.0.0.1", 8000),
+        "client": ("127.0.0.1", 50000),
+        "state": {},
+    }
+
+
+async def _request(app: ASGIApp) -> int:
+    sent_body = False
+    status = 0
+    never = asyncio.Event()
+
+    async def receive() -> Message:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": _BODY, "more_body": False}
+        await never.wait()  # the client stays connected
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+
+    await app(_scope(), receive, send)
+    return status
+
+
+async def _lifespan(app: ASGIApp) -> tuple[asyncio.Task[None], asyncio.Queue[Message]]:
+    inbox: asyncio.Queue[Message] = asyncio.Queue()
+    outbox: asyncio.Queue[Message] = asyncio.Queue()
+    await inbox.put({"type": "lifespan.startup"})
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    task: asyncio.Task[None] = asyncio.ensure_future(app(scope, inbox.get, outbox.put))
+    started = await outbox.get()
+    if started["type"] != "lifespan.startup.complete":
+        raise RuntimeError(f"app did not start: {started}")
+    return task, inbox
+
+
+async def measure(blocks: int, per_block: int) -> dict[str, Any]:
+    from stage4_cache_backpressure.app import app as stage4
+    from stage5_metrics.app import app as stage5
+
+    apps = {"stage4_cache_backpressure": stage4, "stage5_metrics": stage5}
+    running = [await _lifespan(app) for app in apps.values()]
+    for app in apps.values():  # the first call computes, every later one is a memory-cache hit
+        assert await _request(app) == 200
+    times: dict[str, list[float]] = {name: [] for name in apps}
+    for block in range(blocks):
+        order = list(apps) if block % 2 == 0 else list(apps)[::-1]
+        for name in order:
+            started = time.thread_time()  # this thread's CPU time: other programs do not count
+            for _ in range(per_block):
+                await _request(apps[name])
+            times[name].append((time.thread_time() - started) / per_block * 1e6)
+    for task, inbox in running:
+        await inbox.put({"type": "lifespan.shutdown"})
+        await asyncio.wait_for(task, 30)
+    us = {name: statistics.median(t) for name, t in times.items()}
+    s4, s5 = us["stage4_cache_backpressure"], us["stage5_metrics"]
+    return {
+        "blocks": blocks,
+        "requests_per_block": per_block,
+        "us_per_request": {name: round(v, 2) for name, v in us.items()},
+        "added_us_per_request": round(s5 - s4, 2),
+        "stage5_over_stage4": round(s5 / s4, 4),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--blocks", type=int, default=20)
+    parser.add_argument("--per-block", type=int, default=500)
+    args = parser.parse_args(argv)
+    out = sys.stdout
+    sys.stderr = tempfile.TemporaryFile("w")  # noqa: SIM115 -- the log sink lives as long as the process
+    result = asyncio.run(measure(args.blocks, args.per_block))
+    print(json.dumps(result), file=out)
+
+
+if __name__ == "__main__":
+    main()
