@@ -6,14 +6,17 @@ cases). After every case the server must still answer ``/health``.
 
 from __future__ import annotations
 
+import base64
+import string
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
 import psutil
 import pytest
-from conftest import SERVER_STAGES, Server
+from conftest import SERVER_STAGES, Server, run_server
 
 from common.engine import Engine
 from loadtests.badinput import MB, Case, cases, send, send_huge
@@ -102,3 +105,24 @@ def test_100_mb_body_is_refused_without_buffering(
     assert rss.peak - rss.baseline < 32 * MB, f"RSS grew {(rss.peak - rss.baseline) / MB:.1f} MB"
     assert client.get("/health").status_code == 200
     assert client.post("/v1/embed", json={"inputs": "still serving"}).status_code == 200
+
+
+def test_10k_one_char_texts_with_max_items_raised(tmp_path: Path, engine: Engine) -> None:
+    """The same 10,000-text body is a correct 200 once MAX_ITEMS allows it: every vector its own."""
+    # One-character texts that are one distinct token each, so "its own vector" is well defined.
+    alphabet = sorted({c for c in string.ascii_lowercase + string.digits + string.punctuation})
+    assert len({tuple(t.ids) for t in engine.tokenize(alphabet)}) == len(alphabet)
+    texts = [alphabet[i % len(alphabet)] for i in range(10_000)]
+    with run_server(SERVER_STAGES[-1], tmp_path, {"MAX_ITEMS": "10000"}) as srv:
+        body = {"input": texts, "encoding_format": "base64"}
+        r = httpx.post(srv.url + "/v1/embeddings", json=body, timeout=300)
+        assert r.status_code == 200, r.text[:300]
+        data = r.json()["data"]
+        assert [d["index"] for d in data] == list(range(10_000))
+        got = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in data])
+        alone = np.stack([engine.embed([c]).vectors[0] for c in alphabet])
+        cosines = got @ alone.T
+        own = np.array([alphabet.index(t) for t in texts])
+        assert (cosines.argmax(axis=1) == own).all(), "a vector is nearer another text's than its own"
+        assert cosines[np.arange(len(texts)), own].min() >= 0.95
+        assert httpx.get(srv.url + "/health").status_code == 200

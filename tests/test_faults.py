@@ -6,12 +6,13 @@ Every Redis here is a private redis-server on a spare port; the shared one is ne
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from conftest import SERVER_STAGES
 
-from loadtests import faults
+from loadtests import faults, reliability
 
 STAGES = [s for s in SERVER_STAGES if s in ("stage4_cache_backpressure", "stage5_metrics")]
 
@@ -56,3 +57,14 @@ def test_sigkill_and_restart_without_redis_comes_back_cold(tmp_path: Path) -> No
     result = faults.sigkill_restart(STAGES[-1], tmp_path, with_redis=False)
     assert result["cache_after_restart"] == "miss"  # nothing survived the process, as expected
     assert result["same_vectors"]
+
+
+def test_the_reliability_tables_in_the_docs_match_their_json() -> None:
+    results = Path(__file__).resolve().parent.parent / "docs" / "results"
+    report = json.loads((results / "reliability.json").read_text())
+    assert (results / "reliability.md").read_text() == reliability.markdown(report), (
+        "rerun `make reliability`"
+    )
+    summary = report["summary"]
+    assert summary["server_errors"] == summary["unexpected_answers"] == summary["requests_lost"] == 0
+    assert summary["stages"] == SERVER_STAGES  # a stage added later needs a fresh report

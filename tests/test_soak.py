@@ -25,3 +25,10 @@ def test_soak_60_seconds(tmp_path: Path) -> None:
     saved = json.loads(out.read_text())
     assert saved["verdict"]["passed"] and saved["machine"]["cores"]
     assert png.stat().st_size > 10_000
+
+
+def test_the_soak_table_in_the_docs_matches_its_json() -> None:
+    results = Path(__file__).resolve().parent.parent / "docs" / "results"
+    payload = json.loads((results / "soak.json").read_text())
+    assert (results / "soak.md").read_text() == soak.markdown(payload), "rerun `make soak` and commit"
+    assert payload["verdict"]["passed"] and payload["errors"] == 0
