@@ -1,0 +1,35 @@
+"""The stage 4 results the docs include are what `make bench-stage4` wrote, and the command runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from stage4_cache_backpressure.bench import S3, S4, markdown
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+
+
+def test_the_tables_are_rendered_from_the_committed_json() -> None:
+    result = json.loads((RESULTS / "stage4.json").read_text())
+    assert (RESULTS / "stage4.md").read_text() == markdown(result), "rerun `make bench-stage4`"
+
+
+def test_the_results_record_the_machine_and_every_measurement() -> None:
+    result = json.loads((RESULTS / "stage4.json").read_text())
+    assert {"cpu", "cores", "memory_gib", "date"} <= set(result["machine"])
+    assert {"memory_hit", "redis_hit", "miss_memory_server", "miss_redis_server"} <= set(result["tiers"])
+    assert {"pooled", "new_connection_per_command"} <= set(result["redis_connections"])
+    for stage in (S3, S4):
+        assert result["repeated"][stage]["median_round"]["requests"] == 100
+        assert sum(s["n"] for s in result["overload"][stage]["by_status"].values()) == 300
+    assert result["repeated"][S4]["median_round"]["model_texts"] == 30  # each distinct text once
+
+
+def test_the_bench_command_runs() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "stage4_cache_backpressure.bench", "--help"], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and "docs/results/stage4" in done.stdout
