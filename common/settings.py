@@ -68,10 +68,9 @@ class Settings(BaseSettings):
         256, ge=1, description="How many queued texts length grouping may look at."
     )
     split_by_length: bool = Field(
-        False,
+        True,
         description="Run a batch as several model calls of similar lengths when that saves more "
-        "padding than the calls cost. Off: with dynamic INT8 it changes a list's vectors against "
-        "stage 0; free with int8-static or fp32 (docs/stage3.md).",
+        "padding than the calls cost; one request's texts always stay in one call.",
     )
     call_overhead_tokens: int = Field(
         32, ge=0, description="Cost of one more model call, in padded tokens (for SPLIT_BY_LENGTH)."

@@ -1,17 +1,19 @@
 """Stage 3's measurements: the targets against stage 2 and the engine, and where batching stops paying.
 
-    python -m loadtests.batch_sweep            # about 6 minutes; run it on a quiet machine
+    python -m loadtests.batch_sweep            # about 8 minutes; run it on a quiet machine
     python -m loadtests.batch_sweep --quick    # a few seconds per point, to see that it all works
 
-Writes docs/results/stage3_sweep.json and docs/img/stage3_sweep.png. Four parts, one run:
+Writes docs/results/stage3_sweep.json, docs/results/stage3.md (the tables the chapter includes)
+and docs/img/stage3_sweep.png. One run, one machine:
 
-* ``targets``: the engine alone (same texts, best batch size), stage 2 and stage 3 with their
-  defaults at 1 and 32 clients sending unique 12-20 word sentences.
-* ``batch_size``: stage 3 at 32 clients with MAX_BATCH_SIZE 1, 4, 8, 16, 32, 64.
-* ``window``: stage 3 at 32 clients with BATCH_WINDOW_MS 0 .. 20 (and at 4 clients, where a
-  window has friends to wait for but few arrive).
-* ``grouping``: mixed-length texts (queries and passages) with GROUP_BY_LENGTH on and off:
-  throughput, p99 and the padding ratio the server reports at /v1/batcher/metrics.
+* ``engine``: the engine alone on the same sentences at its best batch size (the ceiling), and
+  the fixed cost of one model call in padded tokens (a fit of time = a + b x rows x longest).
+* ``targets``: stage 2 and stage 3 with their defaults at 1 and 32 clients, unique sentences.
+* ``batch_size`` and ``window``: stage 3 with MAX_BATCH_SIZE 1..64 and BATCH_WINDOW_MS 0..20.
+* ``mixed``: queries and passages together at 32 clients, GROUP_BY_LENGTH and SPLIT_BY_LENGTH.
+* ``burst``: 256 mixed texts queued at once in the batcher (no HTTP): padding with and without
+  grouping and length buckets.
+* ``variant``: MODEL_VARIANT=int8-static, where length buckets change no vector.
 
 The load comes from a small asyncio HTTP/1.1 client (keep-alive, one connection per client,
 pre-built bodies): on 2 cores every millisecond the client spends is taken from the server, and
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import Sequence
@@ -34,11 +37,15 @@ import orjson
 import psutil
 
 from common import corpus
+from common.engine import Engine
 from common.machine import machine_info
+from common.settings import Settings
+from loadtests.batch_report import markdown, plot
 from loadtests.compare import engine_ceiling
 from loadtests.harness import REPO, running_stage, settle
+from stage3_batching.batcher import Batcher
 
-RESULTS = REPO / "docs" / "results" / "stage3_sweep.json"
+RESULTS_DIR = REPO / "docs" / "results"
 PLOT = REPO / "docs" / "img" / "stage3_sweep.png"
 HOST = "127.0.0.1"
 BATCH_SIZES = (1, 4, 8, 16, 32, 64)
@@ -152,31 +159,90 @@ def _batch_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     }
 
 
+SENTENCES, MIXED = [("sentence", 1), ("sentence", 32)], [("mixed", 32)]
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    port = args.port
+    port, s3 = args.port, "stage3_batching"
     out: dict[str, Any] = {"machine": machine_info(), "duration_s": args.duration, "warmup_s": args.warmup}
-    print("engine ceiling ...", flush=True)
+    print("engine alone ...", flush=True)
     out["engine"] = engine_ceiling(["sentence"], args.ceiling_seconds)["sentence"]
-    print(json.dumps(out["engine"]), flush=True)
-    unique = [("sentence", 1), ("sentence", 32)]
-    out["targets"] = run_stage("stage2_threadpool", {}, unique, args, port) + run_stage(
-        "stage3_batching", {}, unique, args, port
-    )
+    out["engine"]["call_overhead"] = call_overhead()
+    out["burst"] = asyncio.run(burst())
+    out["batch_mates"] = batch_mates()
+    out["targets"] = run_stage("stage2_threadpool", {}, SENTENCES, args, port)
+    out["targets"] += run_stage(s3, {}, SENTENCES, args, port)
     out["batch_size"] = []
     for size in BATCH_SIZES:
-        out["batch_size"] += run_stage(
-            "stage3_batching", {"MAX_BATCH_SIZE": str(size)}, [unique[1]], args, port
-        )
+        out["batch_size"] += run_stage(s3, {"MAX_BATCH_SIZE": str(size)}, SENTENCES[1:], args, port)
     out["window"] = []
     for window in WINDOWS_MS:
         env = {"BATCH_WINDOW_MS": str(window)}
-        out["window"] += run_stage("stage3_batching", env, [("sentence", 4), ("sentence", 32)], args, port)
-    out["grouping"] = []
-    for group in ("true", "false"):
-        env = {"GROUP_BY_LENGTH": group}
-        out["grouping"] += run_stage("stage3_batching", env, [("mixed", 32)], args, port)
+        out["window"] += run_stage(s3, env, [("sentence", 4), ("sentence", 32)], args, port)
+    out["mixed"] = []
+    for env in ({}, {"GROUP_BY_LENGTH": "false"}, {"SPLIT_BY_LENGTH": "false"}):
+        out["mixed"] += run_stage(s3, env, MIXED, args, port)
+    out["variant"] = []
+    for split in ("true", "false"):
+        env = {"MODEL_VARIANT": "int8-static", "SPLIT_BY_LENGTH": split}
+        out["variant"] += run_stage(s3, env, SENTENCES[1:], args, port)
     out["summary"] = summarize(out)
     return out
+
+
+def call_overhead() -> dict[str, float]:
+    """Fit time = a + b x padded tokens over a grid of batch shapes: a / b is one call in tokens."""
+    engine = Engine.from_settings(Settings())
+    engine.warmup()
+    rows, times = [], []
+    for batch, length in itertools.product((1, 2, 4, 8, 16, 32), (8, 16, 32, 64)):
+        ids = [np.arange(1000, 1000 + length) for _ in range(batch)]
+        best = min(_timed(engine.run, ids) for _ in range(5))
+        rows.append(batch * length)
+        times.append(best)
+    b, a = np.polyfit(rows, times, 1)
+    return {"fixed_ms": a * 1e3, "per_token_ms": b * 1e3, "tokens": a / b}
+
+
+def batch_mates(n: int = 64) -> dict[str, dict[str, float]]:
+    """Cosine between a text's vector alone and inside one padded batch of mixed texts."""
+    texts = corpus.texts(n, seed=78, kind="mixed")
+    out = {}
+    for variant in ("int8-dynamic", "int8-static"):
+        engine = Engine(Settings().model_dir, variant=variant)
+        alone = np.concatenate([engine.embed([t]).vectors for t in texts])
+        cosines = (alone * engine.embed(texts).vectors).sum(axis=1)
+        out[variant] = {"min_cosine": float(cosines.min()), "mean_cosine": float(cosines.mean())}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def _timed(fn: Any, arg: Any) -> float:
+    start = time.perf_counter()
+    fn(arg)
+    return time.perf_counter() - start
+
+
+async def burst(n: int = 256) -> list[dict[str, Any]]:
+    """Mixed texts queued all at once, straight into the batcher with the real engine."""
+    engine = Engine.from_settings(Settings())
+    tokens = engine.tokenize(corpus.texts(n, seed=77, kind="mixed"))
+    results = []
+    for group, split in ((False, False), (True, False), (True, True)):
+        settings = Settings(group_by_length=group, split_by_length=split)
+        batcher = Batcher(engine.run, settings)
+        await batcher.start()
+        start = time.perf_counter()
+        await asyncio.gather(*(batcher.submit([t]) for t in tokens))
+        seconds = time.perf_counter() - start
+        await batcher.close()
+        stats = batcher.stats
+        results.append(
+            {"group_by_length": group, "split_by_length": split, "texts": n, "texts_per_s": n / seconds,
+             "padding_ratio": stats.padding_ratio, "batches": stats.batches, "model_calls": stats.calls}
+        )  # fmt: skip
+        print(json.dumps(results[-1]), flush=True)
+    return results
 
 
 def summarize(out: dict[str, Any]) -> dict[str, Any]:
@@ -184,46 +250,16 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
     pick = {(p["stage"], p["clients"]): p for p in out["targets"]}
     s2_1, s2_32 = pick[("stage2_threadpool", 1)], pick[("stage2_threadpool", 32)]
     s3_1, s3_32 = pick[("stage3_batching", 1)], pick[("stage3_batching", 32)]
-    ceiling = out["engine"]["texts_per_s"]
-    return {
-        "stage3_vs_engine_at_32": s3_32["requests_per_s"] / ceiling,
-        "stage3_vs_stage2_at_32": s3_32["requests_per_s"] / s2_32["requests_per_s"],
-        "p99_stage3_over_stage2_at_32": s3_32["p99_ms"] / s2_32["p99_ms"],
-        "p50_stage3_over_stage2_at_1": s3_1["p50_ms"] / s2_1["p50_ms"],
-        "targets": {
-            "stage3_vs_engine_at_32": 0.80,
-            "stage3_vs_stage2_at_32": 1.25,
-            "p99_stage3_over_stage2_at_32": 1.0,
-            "p50_stage3_over_stage2_at_1": 1.2,
-        },
+    measured = {
+        "stage 3 / engine alone, 32 clients": s3_32["requests_per_s"] / out["engine"]["texts_per_s"],
+        "stage 3 / stage 2 throughput, 32 clients": s3_32["requests_per_s"] / s2_32["requests_per_s"],
+        "stage 3 / stage 2 p99, 32 clients": s3_32["p99_ms"] / s2_32["p99_ms"],
+        "stage 3 / stage 2 p50, 1 client": s3_1["p50_ms"] / s2_1["p50_ms"],
     }
-
-
-def plot(out: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, x_key, label in (
-        (axes[0], "batch_size", "max_batch_size", "MAX_BATCH_SIZE (32 clients)"),
-        (axes[1], "window", "batch_window_ms", "BATCH_WINDOW_MS (32 clients)"),
-    ):
-        points = [p for p in out[key] if p["clients"] == 32]
-        xs = [str(p[x_key]) for p in points]
-        ax.bar(xs, [p["requests_per_s"] for p in points], color="#4a7ab0")
-        ax.axhline(out["engine"]["texts_per_s"], color="#999", linestyle="--", label="engine alone")
-        ax.set_xlabel(label)
-        ax.set_ylabel("requests/s")
-        twin = ax.twinx()
-        twin.plot(xs, [p["p99_ms"] for p in points], color="#c0392b", marker="o", label="p99")
-        twin.set_ylabel("p99 latency (ms)", color="#c0392b")
-        ax.legend(loc="lower right")
-    fig.suptitle(f"stage 3 on {out['machine']['cpu']} ({out['machine']['cores']} cores)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    target = dict(zip(measured, (">= 0.80", ">= 1.25", "<= 1.00", "<= 1.20"), strict=True))
+    met = {k: (v >= float(target[k][3:])) if target[k][0] == ">" else v <= float(target[k][3:])
+           for k, v in measured.items()}  # fmt: skip
+    return {"measured": measured, "target": target, "met": met}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -235,18 +271,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup", type=float, help="Seconds of load before each point (default 2).")
     parser.add_argument("--ceiling-seconds", type=float, help="Seconds per batch size for the engine alone.")
     parser.add_argument("--port", type=int, default=8931)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="Folder for the JSON and markdown.")
     parser.add_argument("--plot", type=Path, default=PLOT)
     args = parser.parse_args(argv)
     args.duration = args.duration or (2.0 if args.quick else 10.0)
     args.warmup = args.warmup or (0.5 if args.quick else 2.0)
     args.ceiling_seconds = args.ceiling_seconds or (0.5 if args.quick else 3.0)
     out = measure(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "stage3_sweep.json").write_text(json.dumps(out, indent=2) + "\n")
+    (args.out / "stage3.md").write_text(markdown(out))
     plot(out, args.plot)
     print(json.dumps(out["summary"], indent=2))
-    print(f"wrote {args.out} and {args.plot}")
+    print(f"wrote {args.out}/stage3_sweep.json, {args.out}/stage3.md and {args.plot}")
 
 
 if __name__ == "__main__":

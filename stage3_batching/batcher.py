@@ -175,7 +175,7 @@ class Batcher:
         self._in_flight = 1
         try:  # NEW: the model runs in the one executor thread; the event loop keeps serving
             done = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._compute, [t.ids for t in batch]
+                self._pool, self._compute, [t.ids for t in batch], [id(t.req) for t in batch]
             )
         finally:
             self._in_flight = 0
@@ -220,18 +220,22 @@ class Batcher:
     # --8<-- [end:run]
 
     # --8<-- [start:compute]
-    def _compute(self, ids: list[np.ndarray]) -> _Computed:
+    def _compute(self, ids: list[np.ndarray], owners: list[int]) -> _Computed:
         """Run one batch (executor thread): one model call, or calls of similar lengths."""
         done = _Computed(len(ids))
-        lengths = np.fromiter((len(i) for i in ids), np.int64, len(ids))
         if not self.settings.split_by_length:
-            done.padded_tokens = len(ids) * int(lengths.max())
+            done.padded_tokens = len(ids) * max(len(i) for i in ids)
             self._run_rows(ids, np.arange(len(ids)), done)
             return done
-        order = np.argsort(lengths, kind="stable")
-        for bucket in length_buckets(lengths[order], self.settings.call_overhead_tokens):
-            rows = order[bucket]
-            done.padded_tokens += len(rows) * int(lengths[rows[-1]])
+        units: dict[int, list[int]] = {}  # a request's texts stay together, in its order
+        for row, owner in enumerate(owners):
+            units.setdefault(owner, []).append(row)
+        groups = sorted(units.values(), key=lambda rows: max(len(ids[r]) for r in rows))
+        longest = np.array([max(len(ids[r]) for r in rows) for rows in groups])
+        sizes = np.array([len(rows) for rows in groups])
+        for bucket in length_buckets(longest, self.settings.call_overhead_tokens, sizes):
+            rows = np.array([r for unit in groups[bucket] for r in unit])
+            done.padded_tokens += len(rows) * int(longest[bucket][-1])
             self._run_rows(ids, rows, done)
         return done
 
@@ -268,18 +272,20 @@ class _Computed:
 
 
 # --8<-- [start:buckets]
-def length_buckets(lengths: np.ndarray, overhead: int) -> list[slice]:
+def length_buckets(lengths: np.ndarray, overhead: int, rows: np.ndarray | None = None) -> list[slice]:
     """Cut ascending ``lengths`` into runs so that calls x overhead + padded tokens is least.
 
+    ``rows[i]`` texts share length ``lengths[i]`` (one request's texts, padded together).
     On a CPU a padded token costs as much as a real one, and one more model call costs
-    about ``overhead`` tokens (measured by loadtests/batch_sweep.py), so a batch of
-    mixed lengths runs faster as a few calls of similar lengths than as one.
+    about ``overhead`` tokens (measured by loadtests/batch_sweep.py), so a batch of mixed
+    lengths runs faster as a few calls of similar lengths than as one.
     """
     n = len(lengths)
+    before = np.concatenate([[0], np.cumsum(np.ones(n, np.int64) if rows is None else rows)])
     best = np.zeros(n + 1)
     start = np.zeros(n + 1, np.int64)
-    for end in range(1, n + 1):  # best[end]: cheapest way to run the first `end` texts
-        costs = best[:end] + overhead + (end - np.arange(end)) * lengths[end - 1]
+    for end in range(1, n + 1):  # best[end]: cheapest way to run the first `end` units
+        costs = best[:end] + overhead + (before[end] - before[:end]) * lengths[end - 1]
         start[end] = int(np.argmin(costs))
         best[end] = costs[start[end]]
     cuts = [n]

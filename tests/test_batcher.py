@@ -263,28 +263,44 @@ async def test_grouping_reorders_only_within_one_window(model: FakeModel, record
 
 
 # --- length buckets inside a batch -----------------------------------------------------
-def _cheapest_by_brute_force(lengths: list[int], overhead: int) -> int:
-    best = None
+def _cost(lengths: list[int], rows: list[int], overhead: int, cuts: list[tuple[int, int]]) -> int:
+    return sum(overhead + sum(rows[a:b]) * lengths[b - 1] for a, b in cuts)
+
+
+def _cheapest_by_brute_force(lengths: list[int], rows: list[int], overhead: int) -> int:
+    costs = []
     for mask in range(2 ** (len(lengths) - 1)):  # every way to cut the sorted list into runs
-        cost, start = 0, 0
-        for end in range(1, len(lengths) + 1):
-            if end == len(lengths) or mask >> (end - 1) & 1:
-                cost += overhead + (end - start) * lengths[end - 1]
-                start = end
-        best = cost if best is None else min(best, cost)
-    assert best is not None
-    return best
+        ends = [e for e in range(1, len(lengths)) if mask >> (e - 1) & 1] + [len(lengths)]
+        costs.append(_cost(lengths, rows, overhead, list(itertools.pairwise([0, *ends]))))
+    return min(costs)
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_length_buckets_are_the_cheapest_cut(seed: int) -> None:
     rng = random.Random(seed)
     lengths = sorted(rng.choice([3, 5, 9, 20, 21, 60, 256]) for _ in range(rng.randint(1, 11)))
+    rows = [rng.choice([1, 1, 1, 2, 7]) for _ in lengths]  # a request's texts count as one unit
     overhead = rng.choice([0, 8, 32, 500])
-    buckets = length_buckets(np.array(lengths), overhead)
-    assert [i for b in buckets for i in range(len(lengths))[b]] == list(range(len(lengths)))
-    cost = sum(overhead + len(lengths[b]) * lengths[b][-1] for b in buckets)
-    assert cost == _cheapest_by_brute_force(lengths, overhead)
+    buckets = length_buckets(np.array(lengths), overhead, np.array(rows))
+    cuts = [(b.start, b.stop) for b in buckets]
+    assert [i for a, b in cuts for i in range(a, b)] == list(range(len(lengths)))
+    assert _cost(lengths, rows, overhead, cuts) == _cheapest_by_brute_force(lengths, rows, overhead)
+
+
+async def test_a_request_s_own_texts_stay_in_one_call(model: FakeModel, records: list[BatchRecord]) -> None:
+    batcher = await started(model, records, split_by_length=True, call_overhead_tokens=0)
+    first = await hold_model(batcher, model)
+    others = [submit(batcher, m, n_tokens=n) for m, n in ((1, 6), (2, 100))]
+    mixed = asyncio.create_task(batcher.submit([tok(30, 100), tok(31, 6), tok(32, 50)]))
+    await asyncio.sleep(0)
+    model.gate.set()
+    await done(first, *others, mixed)
+    (call,) = [c for c in model.calls if 30 in c]
+    start = call.index(30)
+    assert call[start : start + 3] == [30, 31, 32]  # together, in order, whatever their lengths
+    assert [1] in model.calls  # the short single text ran apart from the long ones
+    assert markers(mixed.result()) == [30, 31, 32]
+    await batcher.close()
 
 
 async def test_a_mixed_batch_runs_as_calls_of_similar_lengths(
