@@ -55,12 +55,14 @@ class StaticRecipe:
     exclude: tuple[str, ...] = ()  # regexes of node names that stay fp32
     pad_calibration: bool = True  # calibrate on texts padded to the longest, or each at its length
     symmetric_ranges: bool | None = None  # calibrated ranges symmetric around 0 (None: ORT's default)
+    smooth_alpha: float | None = None  # SmoothQuant on the MatMuls after GELU (common/smooth.py)
 
     def describe(self) -> str:
         calib = self.calibration + (f" p{self.percentile}" if self.calibration == "Percentile" else "")
         if self.symmetric_ranges is not None:
             calib += " symmetric" if self.symmetric_ranges else " asymmetric"
         kept = f", fp32: {' '.join(self.exclude)}" if self.exclude else ""
+        kept += f", SmoothQuant alpha {self.smooth_alpha} after GELU" if self.smooth_alpha is not None else ""
         padded = "padded" if self.pad_calibration else "unpadded"
         return (
             f"{self.activations} activations, {calib} calibration on {self.calibration_texts}"
@@ -220,13 +222,31 @@ def quantize_static(
     `calibration_cache` (a json file) keeps the calibrated ranges, so recipes that differ only
     in format, activation type or excluded nodes calibrate once.
     """
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
-    from onnxruntime.quantization import quantize_static as ort_quantize_static
-
     # Calibration texts: a seed the quality gate does not use, every length bucket.
     texts = corpus.texts(recipe.calibration_texts, seed=7, kind="mixed", unique=False)
     reader = _CalibrationReader(tokenizer_path, max_tokens, texts, pad=recipe.pad_calibration)
     out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="smooth-") as tmp:
+        source = fp32
+        if recipe.smooth_alpha is not None:
+            from common.smooth import smooth_matmul_inputs
+
+            source = Path(tmp) / "smoothed.onnx"
+            feeds = _CalibrationReader(tokenizer_path, max_tokens, texts, pad=False)
+            smooth_matmul_inputs(fp32, source, iter(feeds.get_next, None), recipe.smooth_alpha, FFN_OUT)
+        _ort_quantize_static(source, out, reader, recipe, calibration_cache)
+
+
+# The MatMul after GELU in every layer (`/encoder/layer.N/output/dense/MatMul` in an optimum export).
+FFN_OUT = r"/layer\.\d+/output/dense/MatMul$"
+
+
+def _ort_quantize_static(
+    fp32: Path, out: Path, reader: _CalibrationReader, recipe: StaticRecipe, calibration_cache: Path | None
+) -> None:
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
+    from onnxruntime.quantization import quantize_static as ort_quantize_static
+
     ort_quantize_static(
         fp32,
         out,

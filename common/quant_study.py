@@ -81,6 +81,7 @@ class _Study:
     def quantize(self, name: str, recipe: StaticRecipe) -> float:
         calib = recipe.calibration + (f"-{recipe.percentile}" if recipe.calibration == "Percentile" else "")
         calib += f"-{recipe.calibration_texts}-pad{int(recipe.pad_calibration)}-sym{recipe.symmetric_ranges}"
+        calib += f"-smooth{recipe.smooth_alpha}"  # smoothing changes the graph that is calibrated
         cache = self.cache_dir / f"{calib}.json"
         t0 = time.perf_counter()
         build_model.quantize_static(
@@ -339,6 +340,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 replace(best_recipe, exclude=families[fam]),
                 f"{best_note}, {fam} kept fp32",
             )
+        round3[f"{best}+smooth-ffn-out"] = (
+            replace(best_recipe, smooth_alpha=0.5),
+            f"{best_note}, SmoothQuant (alpha 0.5) on the ffn-out inputs",
+        )
         both = families["ffn-out"] + families["attn-scores"]
         round3[f"{best}+fp32-ffn-attn"] = (
             replace(best_recipe, exclude=both),
