@@ -58,7 +58,7 @@ clean:
 STAGE ?= 5
 PROFILE ?= unique-32
 DURATION ?= 30
-.PHONY: loadtest loadtest-headless compare bench
+.PHONY: loadtest loadtest-headless loadtest-screenshots compare bench
 
 ## loadtest: Locust's web UI on http://127.0.0.1:8089 against HOST:PORT (starts stage STAGE if nothing answers)
 loadtest: setup
@@ -67,6 +67,10 @@ loadtest: setup
 ## loadtest-headless: one fixed profile (PROFILE, DURATION s) against stage STAGE; CSV/JSON in out/loadtest/
 loadtest-headless: setup
 	$(PY) -m loadtests.run --stage $(STAGE) --headless --profile $(PROFILE) --duration $(DURATION) $(ARGS)
+
+## loadtest-screenshots: pictures of Locust's web UI against stage STAGE for docs/benchmarking.md (Chromium)
+loadtest-screenshots: setup browser
+	$(PY) -m loadtests.ui_screenshot --stage $(STAGE) $(ARGS)
 
 ## compare: every stage under the same Locust profiles, then the engine ceiling (QUICK=1: seconds per point)
 compare: setup

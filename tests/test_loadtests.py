@@ -292,6 +292,21 @@ def test_compare_reports_a_stage_that_fails_and_exits_nonzero(tmp_path: Path) ->
     assert "**stage1_naive failed**" in (tmp_path / "compare.md").read_text()
 
 
+def test_web_ui_screenshots(tmp_path: Path) -> None:
+    """`make loadtest-screenshots`, short: the start form, the charts and the table, as PNGs."""
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.ui_screenshot", "--stage", available_stages()[-1], "--users", "4",
+         "--seconds", "3", "--img", str(tmp_path), "--results", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name in ("locust_start", "locust_charts", "locust_statistics"):
+        data = (tmp_path / f"{name}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    caption = (tmp_path / "locust_ui.md").read_text()
+    assert "[start:caption]" in caption and "[end:caption]" in caption
+
+
 def test_bench_suite_runs_once(tmp_path: Path) -> None:
     """`make bench` with timing off: every microbenchmark runs once, so none can rot."""
     done = subprocess.run(
