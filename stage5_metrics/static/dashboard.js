@@ -29,11 +29,24 @@ function fmt(v, digits) {
 
 function frame(svg, ymin, ymax, unit) {
   const ih = H - PAD.t - PAD.b;
+  const step = (ymax - ymin) / 4;
   for (let i = 0; i <= 4; i++) {
     const y = PAD.t + ih - (ih * i) / 4;
-    const v = ymin + ((ymax - ymin) * i) / 4;
-    svg.appendChild(el("line", { x1: PAD.l, x2: W - PAD.r, y1: y, y2: y, stroke: v === 0 && ymin < 0 ? "#9ca3af" : "#e5e7eb" }));
-    svg.appendChild(el("text", { x: PAD.l - 6, y: y + 4, "text-anchor": "end" }, fmt(v) + (unit || "")));
+    const v = ymin + step * i;
+    const zero = Math.abs(v) < step / 1e6;
+    svg.appendChild(el("line", { x1: PAD.l, x2: W - PAD.r, y1: y, y2: y, stroke: zero && ymin < 0 ? "#9ca3af" : "#e5e7eb" }));
+    svg.appendChild(el("text", { x: PAD.l - 6, y: y + 4, "text-anchor": "end" }, fmt(zero ? 0 : v) + (unit || "")));
+  }
+}
+
+// A range with four equal, round steps that holds lo..hi and has a gridline at zero.
+function niceRange(lo, hi) {
+  if (lo >= 0) return [0, niceMax(hi)];
+  let step = niceMax((hi - lo) / 4);
+  for (;;) {
+    const below = Math.ceil(-lo / step - 1e-9);
+    if (below <= 4 && (4 - below) * step >= hi) return [-below * step, (4 - below) * step];
+    step = niceMax(step * 1.01);
   }
 }
 
@@ -51,9 +64,8 @@ function lineChart(id, times, series, opts) {
   opts = opts || {};
   const svg = el("svg", { viewBox: `0 0 ${W} ${H}`, role: "img" });
   const all = series.flatMap((s) => s.values).filter((v) => v !== null);
-  const ymax = opts.ymax || niceMax(Math.max(0, ...all));
-  const lowest = Math.min(0, ...all);  // savings go negative when batches cost more than lone calls
-  const ymin = lowest < 0 ? -niceMax(-lowest) : 0;
+  // Savings go negative when batches cost more than lone calls would have.
+  const [ymin, ymax] = opts.ymax ? [0, opts.ymax] : niceRange(Math.min(0, ...all), Math.max(0, ...all));
   frame(svg, ymin, ymax, opts.unit);
   const iw = W - PAD.l - PAD.r, ih = H - PAD.t - PAD.b;
   const t0 = times[0], t1 = times[times.length - 1] || t0 + 1;
