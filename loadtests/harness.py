@@ -159,7 +159,9 @@ def process_cpu(process: psutil.Process) -> float:
 def busy_cpu() -> float:
     """CPU seconds the whole machine has spent busy since boot (all cores)."""
     t = psutil.cpu_times()
-    return float(sum(t) - t.idle - getattr(t, "iowait", 0.0))
+    # Linux counts guest time inside user time already; steal (another VM on the host) stays in.
+    counted_twice = getattr(t, "guest", 0.0) + getattr(t, "guest_nice", 0.0)
+    return float(sum(t) - t.idle - getattr(t, "iowait", 0.0) - counted_twice)
 
 
 def settle(pid: int, url: str, idle_cores: float = 0.15, max_s: float = 60.0) -> float:
