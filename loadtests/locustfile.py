@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -78,6 +79,12 @@ def _options(parser: Any) -> None:
         help="Send X-Request-Timeout with this many seconds (0: do not send it).",
     )
     parser.add_argument(
+        "--api-key",
+        default=next((k.strip() for k in os.environ.get("API_KEY", "").split(",") if k.strip()), ""),
+        include_in_web_ui=False,
+        help="Bearer key for a server started with API_KEY (default: the first key in $API_KEY).",
+    )
+    parser.add_argument(
         "--run-report",
         default="",
         include_in_web_ui=False,
@@ -105,6 +112,8 @@ class _EmbedUser(FastHttpUser):
         self.rng = random.Random(opts.seed * 100_000 + number)
         self.n_texts = opts.texts_per_request
         self.headers = {"X-Request-Timeout": str(opts.request_timeout)} if opts.request_timeout > 0 else {}
+        if opts.api_key:
+            self.headers["Authorization"] = f"Bearer {opts.api_key}"
         self.openai = opts.endpoint == "/v1/embeddings"
         # One row per user class in Locust's tables, so mixed classes in the web UI stay apart.
         self.request_name = f"{opts.endpoint} {type(self).__name__}"

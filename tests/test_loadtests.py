@@ -35,14 +35,16 @@ USER_CLASSES = (
 TEST_PROFILES = ("unique-8", "repeated-32", "overload-128")
 
 
-def _locust(host: str, prefix: Path, seconds: int, users: int, *args: str) -> list[dict]:
+def _locust(
+    host: str, prefix: Path, seconds: int, users: int, *args: str, env: dict[str, str] | None = None
+) -> list[dict]:
     command = [
         sys.executable, "-m", "locust", "-f", "loadtests/locustfile.py", "--headless", "--host", host,
         "-u", str(users), "-r", str(users), "-t", f"{seconds}s", "--reset-stats", "--only-summary",
         "--json-file", str(prefix), "--run-report", f"{prefix}_report.json", "--exit-code-on-error", "0",
         *args,
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=seconds + 60)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=seconds + 60)
     assert done.returncode == 0, done.stdout + done.stderr
     return list(json.loads(Path(f"{prefix}.json").read_text()))
 
@@ -119,6 +121,19 @@ def test_openai_endpoint_option(stage_url: str, tmp_path: Path) -> None:
     (entry,) = entries
     assert entry["name"] == "/v1/embeddings UniqueTextUser"
     assert entry["num_requests"] > 0 and entry["num_failures"] == 0
+
+
+def test_the_api_key_comes_from_the_environment(tmp_path: Path) -> None:
+    """Against a server started with API_KEY, Locust sends the first key of the same variable."""
+    from tests.conftest import run_server
+
+    with run_server("stage1_naive", tmp_path, {"API_KEY": "k-one, k-two"}) as server:
+        env = {**os.environ, "API_KEY": "k-one, k-two"}
+        ok = _locust(server.url, tmp_path / "ok", 2, 2, "UniqueTextUser", env=env)
+        wrong = _locust(server.url, tmp_path / "no", 2, 2, "--api-key", "nope", "UniqueTextUser", env=env)
+    assert ok[0]["num_requests"] > 0 and ok[0]["num_failures"] == 0
+    assert wrong[0]["num_requests"] > 0 and wrong[0]["num_failures"] == wrong[0]["num_requests"]
+    assert list(json.loads((tmp_path / "no_report.json").read_text())["errors"]) == ["HTTP 401"]
 
 
 def test_a_wrong_vector_count_is_a_failure(tmp_path: Path) -> None:
