@@ -124,6 +124,12 @@ def running_stage(
                 process.wait()
 
 
+def _auth_headers() -> dict[str, str]:
+    """The locustfile's --api-key default: the first key of $API_KEY, for servers started with it."""
+    key = next((k.strip() for k in os.environ.get("API_KEY", "").split(",") if k.strip()), "")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def warm_up(url: str, seconds: float, clients: int = 4) -> int:
     """Send unique sentences from a few threads for ``seconds``; returns how many were answered."""
     deadline = time.monotonic() + seconds
@@ -131,7 +137,7 @@ def warm_up(url: str, seconds: float, clients: int = 4) -> int:
 
     def worker(i: int) -> None:
         texts = corpus.stream(WARMUP_SEED * 100 + i, "mixed")
-        with httpx.Client(timeout=60.0) as client:
+        with httpx.Client(timeout=60.0, headers=_auth_headers()) as client:
             while time.monotonic() < deadline:
                 if client.post(f"{url}/v1/embed", json={"inputs": [next(texts)]}).status_code == 200:
                     done[i] += 1
