@@ -27,10 +27,13 @@ def markdown(out: dict[str, Any]) -> str:
     burst_head = "| grouping | length buckets | batches | model calls | padding | texts/s |"
     sections = {
         "machine": [f"Measured by `python -m loadtests.batch_sweep` on {m['cpu']}, {m['cores']} cores, "
-                    f"{m['memory_gib']} GiB memory, {m['date']}; {out['duration_s']:.0f} s per point."],
+                    f"{m['memory_gib']} GiB memory, {m['date']}; {out['duration_s']:.0f} s per point; "
+                    f"1-minute load average {m.get('load_average_before', 0):.1f} before the run and "
+                    f"{m.get('load_average_after', 0):.1f} after (above {m['cores']}: other work shared "
+                    "the cores, and the absolute numbers are low)."],
         "engine": [f"Engine alone on the same sentences: **{e['texts_per_s']:.0f} texts/s** at batch "
-                   f"{e['best_batch']}. One more model call costs about {call['fixed_ms']:.2f} ms, "
-                   f"the time of **{call['tokens']:.0f} padded tokens**."],
+                   f"{e['best_batch']}. One more model call costs about {call['fixed_ms']:.2f} ms of CPU, "
+                   f"as much as **{call['tokens']:.0f} padded tokens**."],
         "targets": _http_table(out["targets"], "stage", "stage"),
         "summary": ["| ratio | measured | target | met |", "|---|---|---|---|"]
         + [_row(k, f"{v:.2f}", out["summary"]["target"][k], "yes" if out["summary"]["met"][k] else "**no**")

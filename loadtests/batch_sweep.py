@@ -7,7 +7,7 @@ Writes docs/results/stage3_sweep.json, docs/results/stage3.md (the tables the ch
 and docs/img/stage3_sweep.png. One run, one machine:
 
 * ``engine``: the engine alone on the same sentences at its best batch size (the ceiling), and
-  the fixed cost of one model call in padded tokens (a fit of time = a + b x rows x longest).
+  what one more model call costs, in padded tokens (k calls of one row against one of k rows).
 * ``targets``: stage 2 and stage 3 with their defaults at 1 and 32 clients, unique sentences.
 * ``batch_size`` and ``window``: stage 3 with MAX_BATCH_SIZE 1..64 and BATCH_WINDOW_MS 0..20.
 * ``mixed``: queries and passages together at 32 clients, GROUP_BY_LENGTH and SPLIT_BY_LENGTH.
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -165,6 +165,7 @@ SENTENCES, MIXED = [("sentence", 1), ("sentence", 32)], [("mixed", 32)]
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     port, s3 = args.port, "stage3_batching"
     out: dict[str, Any] = {"machine": machine_info(), "duration_s": args.duration, "warmup_s": args.warmup}
+    out["machine"]["load_average_before"] = os.getloadavg()[0]  # other work on the machine shows here
     print("engine alone ...", flush=True)
     out["engine"] = engine_ceiling(["sentence"], args.ceiling_seconds)["sentence"]
     out["engine"]["call_overhead"] = call_overhead()
@@ -186,22 +187,31 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for split in ("true", "false"):
         env = {"MODEL_VARIANT": "int8-static", "SPLIT_BY_LENGTH": split}
         out["variant"] += run_stage(s3, env, SENTENCES[1:], args, port)
+    out["machine"]["load_average_after"] = os.getloadavg()[0]
     out["summary"] = summarize(out)
     return out
 
 
-def call_overhead() -> dict[str, float]:
-    """Fit time = a + b x padded tokens over a grid of batch shapes: a / b is one call in tokens."""
+def call_overhead(k: int = 16, length: int = 24, repeats: int = 7) -> dict[str, float]:
+    """What one more model call costs: k texts as k calls of one row against one call of k rows.
+
+    CPU time (all threads of this process), not wall time: it is what a saturated server
+    runs out of, and other work on the machine disturbs it far less.
+    """
     engine = Engine.from_settings(Settings())
     engine.warmup()
-    rows, times = [], []
-    for batch, length in itertools.product((1, 2, 4, 8, 16, 32), (8, 16, 32, 64)):
-        ids = [np.arange(1000, 1000 + length) for _ in range(batch)]
-        best = min(_timed(engine.run, ids) for _ in range(5))
-        rows.append(batch * length)
-        times.append(best)
-    b, a = np.polyfit(rows, times, 1)
-    return {"fixed_ms": a * 1e3, "per_token_ms": b * 1e3, "tokens": a / b}
+    ids = [np.arange(1000, 1000 + length) for _ in range(k)]
+    joint = min(_cpu(lambda: engine.run(ids)) for _ in range(repeats))
+    apart = min(_cpu(lambda: [engine.run([row]) for row in ids]) for _ in range(repeats))
+    fixed = (apart - joint) / (k - 1)
+    per_token = joint / (k * length)
+    return {"fixed_ms": fixed * 1e3, "per_token_ms": per_token * 1e3, "tokens": fixed / per_token}
+
+
+def _cpu(fn: Any) -> float:
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
 
 
 def batch_mates(n: int = 64) -> dict[str, dict[str, float]]:
@@ -215,12 +225,6 @@ def batch_mates(n: int = 64) -> dict[str, dict[str, float]]:
         out[variant] = {"min_cosine": float(cosines.min()), "mean_cosine": float(cosines.mean())}
     print(json.dumps(out), flush=True)
     return out
-
-
-def _timed(fn: Any, arg: Any) -> float:
-    start = time.perf_counter()
-    fn(arg)
-    return time.perf_counter() - start
 
 
 async def burst(n: int = 256) -> list[dict[str, Any]]:
