@@ -222,7 +222,7 @@ def batch_mates(n: int = 64) -> dict[str, dict[str, float]]:
         engine = Engine(Settings().model_dir, variant=variant)
         alone = np.concatenate([engine.embed([t]).vectors for t in texts])
         cosines = (alone * engine.embed(texts).vectors).sum(axis=1)
-        out[variant] = {"min_cosine": float(cosines.min()), "mean_cosine": float(cosines.mean())}
+        out[variant] = {"texts": n, "min_cosine": float(cosines.min()), "mean_cosine": float(cosines.mean())}
     print(json.dumps(out), flush=True)
     return out
 
