@@ -92,6 +92,13 @@ bench-stage2: setup
 	$(PY) -m loadtests.overhead $(if $(QUICK),--quick)
 	$(PY) -m loadtests.threads_sweep $(if $(QUICK),--quick)
 
+# --- stage 3 measurements (docs/stage3.md) ----------------------------------------------------
+.PHONY: bench-stage3
+
+## bench-stage3: stage 3 against stage 2 and the engine, MAX_BATCH_SIZE and window sweeps, padding (QUICK=1: seconds)
+bench-stage3: setup
+	$(PY) -m loadtests.batch_sweep $(if $(QUICK),--quick)
+
 # --- stage 4 measurements (docs/stage4.md) ----------------------------------------------------
 .PHONY: bench-stage4
 
