@@ -76,6 +76,7 @@ class Interval:
     p99_ms: float | None
     rss_mib: float
     cache_hit_share: float | None
+    in_flight: int  # requests sent and not yet answered at the end of the interval
 
 
 @dataclass
@@ -172,6 +173,7 @@ async def soak(url: str, pid: int, result: SoakResult, seed: int = 7) -> None:
                         p99_ms=_pct(latencies, 99),
                         rss_mib=round(server.memory_info().rss / 2**20, 1),
                         cache_hit_share=round(hits / (hits + misses), 3) if hits + misses else None,
+                        in_flight=in_flight,
                     )
                 )
                 latencies, errors, hits, misses = [], 0, 0, 0

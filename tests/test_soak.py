@@ -14,11 +14,18 @@ def test_soak_60_seconds(tmp_path: Path) -> None:
     soak.write(result, out, "tests/test_soak.py")
     soak.plot(result, png)
     verdict = result.verdict
+    # On failure, say what the run looked like: a shared machine can change under a soak.
+    context = (
+        f"capacity {result.capacity_rps} req/s, target {result.target_rps}, load average "
+        f"{result.load_average}, errors {result.error_kinds}, in flight per interval "
+        f"{[iv.in_flight for iv in result.intervals]}, "
+        f"p99 per interval {[iv.p99_ms for iv in result.intervals]}"
+    )
     assert result.sent > 0 and result.answered == result.sent - result.errors
-    assert verdict["no_errors"], result.error_kinds
-    assert verdict["rate_kept"], verdict
-    assert verdict["p99_stable"], verdict
-    assert verdict["rss_growth_under_10pct"], verdict
+    assert verdict["no_errors"], context
+    assert verdict["rate_kept"], f"{verdict} {context}"
+    assert verdict["p99_stable"], f"{verdict} {context}"
+    assert verdict["rss_growth_under_10pct"], f"{verdict} {context}"
     assert result.passed
     # Enough intervals to judge: warm-up plus three thirds.
     assert len(result.intervals) >= 25
