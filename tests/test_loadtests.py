@@ -31,8 +31,8 @@ USER_CLASSES = (
     "OverloadUser",
     "ThinkingUser",
 )
-# The quick compare in `make test`: one unique-text point plus the repeated and overload profiles.
-TEST_PROFILES = ("unique-8", "repeated-32", "overload-128")
+# The quick compare in `make test` (`--users 8`): one unique-text point, every other profile.
+TEST_PROFILES = ("unique-8", "repeated-32", "mixed-32", "waves-32", "overload-128")
 
 
 def _locust(
@@ -252,7 +252,7 @@ def test_quick_compare_writes_complete_results(tmp_path: Path) -> None:
     stages = available_stages()
     command = [
         sys.executable, "-m", "loadtests.compare", "--quick", "--duration", "2", "--warmup", "0.5",
-        "--ceiling-seconds", "0.2", "--profiles", ",".join(TEST_PROFILES),
+        "--ceiling-seconds", "0.2", "--users", "8",
         "--out", str(tmp_path), "--img", str(tmp_path / "img"), "--raw", str(tmp_path / "raw"),
     ]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1200)
@@ -263,7 +263,7 @@ def test_quick_compare_writes_complete_results(tmp_path: Path) -> None:
     assert result["quick"] is True
     assert {"cpu_model", "logical_cores", "memory_gib"} <= set(result["machine"])
     assert result["versions"]["locust"] != "missing" and result["date"]
-    assert result["engine_ceiling"]["sentence"]["texts_per_s"] > 0
+    assert all(result["engine_ceiling"][kind]["texts_per_s"] > 0 for kind in ("sentence", "mixed"))
     assert [p["name"] for p in result["profiles"]] == list(TEST_PROFILES)
     points = {(p["stage"], p["profile"]): p for p in result["points"]}
     assert set(points) == {(s, name) for s in stages for name in TEST_PROFILES}
