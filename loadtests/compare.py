@@ -22,6 +22,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from common import corpus
 from common.engine import Engine
 from common.serve import STAGES, available_stages, resolve
@@ -178,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for stage in stages:
         try:
             points += run_stage(stage, profiles, args)
-        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        except (RuntimeError, OSError, subprocess.SubprocessError, psutil.Error) as exc:
             # One broken stage must not cost the other stages' results of a long run.
             failed[stage] = f"{type(exc).__name__}: {exc}"
             print(f"{stage}: FAILED, {failed[stage]} (logs in {args.raw / stage})", flush=True)

@@ -153,7 +153,11 @@ def warm_up(url: str, seconds: float, clients: int = 4) -> int:
 def process_cpu(process: psutil.Process) -> float:
     """CPU seconds of a process and its children (uvicorn runs one process; be safe anyway)."""
     total = 0.0
-    for p in [process, *process.children(recursive=True)]:
+    try:
+        children = process.children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for p in [process, *children]:
         try:
             t = p.cpu_times()
             total += t.user + t.system
