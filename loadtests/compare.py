@@ -29,7 +29,7 @@ from common.engine import Engine
 from common.serve import STAGES, available_stages, resolve
 from common.settings import Settings
 from loadtests import harness, report
-from loadtests.harness import COMPARE_ENV, PROFILES, Profile
+from loadtests.harness import COMPARE_ENV, COMPARE_WITHOUT, PROFILES, Profile
 
 CEILING_SEED = 7
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -132,7 +132,8 @@ def run_stage(stage: str, profiles: list[Profile], args: argparse.Namespace) -> 
     raw = args.raw / stage
     results = []
     t0 = time.monotonic()
-    with harness.running_stage(stage, args.host, port, raw / "server.log", COMPARE_ENV) as server:
+    log = raw / "server.log"
+    with harness.running_stage(stage, args.host, port, log, COMPARE_ENV, COMPARE_WITHOUT) as server:
         print(f"{stage}: ready in {time.monotonic() - t0:.1f} s on {url}", flush=True)
         answered = harness.warm_up(url, args.warmup)
         print(f"{stage}: warm-up answered {answered} requests in {args.warmup:g} s", flush=True)
@@ -204,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "warmup_s": args.warmup,
             "stop_timeout_s": args.stop_timeout,
             "server_env": COMPARE_ENV,
+            "server_env_removed": list(COMPARE_WITHOUT),
             "seed": args.seed,
             "ceiling_seconds_per_batch": args.ceiling_seconds,
         },

@@ -66,6 +66,8 @@ PROFILES: tuple[Profile, ...] = (
 # Every stage runs with these settings in `make compare`: a queue of 256 texts (stages 4-5; the
 # earlier stages have no bound) makes the overload profile's 1024 texts in flight an overload.
 COMPARE_ENV = {"MAX_QUEUE": "256"}
+# ...and without these: a shared Redis keeps answers between runs, so "unique" texts would hit.
+COMPARE_WITHOUT = ("CACHE_URL",)
 # --8<-- [end:profiles]
 
 
@@ -74,9 +76,10 @@ def server_command(stage: str) -> list[str]:
     return [sys.executable, "-m", "common.serve", stage]
 
 
-def server_env(host: str, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k.upper() != "CACHE_URL"}
-    # A shared Redis would keep answers between runs and turn "unique" texts into cache hits.
+def server_env(
+    host: str, port: int, extra: dict[str, str] | None = None, without: tuple[str, ...] = ()
+) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k.upper() not in without}
     return {**env, "HOST": host, "PORT": str(port), **(extra or {})}
 
 
@@ -99,15 +102,23 @@ def wait_ready(url: str, process: subprocess.Popen[bytes] | None, timeout: float
 
 @contextmanager
 def running_stage(
-    stage: str, host: str, port: int, log_path: Path, env: dict[str, str] | None = None
+    stage: str,
+    host: str,
+    port: int,
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    without: tuple[str, ...] = (),
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Start ``stage`` as `make stageN` does, wait for /ready, and stop it (SIGTERM) on exit."""
+    """Start ``stage`` as `make stageN` does, wait for /ready, and stop it (SIGTERM) on exit.
+
+    ``env`` adds to this process's environment; ``without`` names variables to leave out.
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             server_command(stage),
             cwd=REPO,
-            env=server_env(host, port, env),
+            env=server_env(host, port, env, without),
             stdout=log,
             stderr=subprocess.STDOUT,
         )
