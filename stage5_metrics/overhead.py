@@ -168,6 +168,10 @@ def table(result: dict[str, Any]) -> str:
         f"| median of {a['blocks']} blocks of {a['requests_per_block']} "
         f"| {us[STAGES[0]]:.1f} | {us[STAGES[1]]:.1f} | {a['added_us_per_request']:.1f} "
         f"| {100 * a['stage5_over_stage4']:.1f} % |",
+        "",
+        "| of which | CPU µs per request |",
+        "|---|---:|",
+        *[f"| {part} | {us_:.1f} |" for part, us_ in a["parts_us"].items()],
         "<!-- --8<-- [end:in_process] -->",
     ]
     return "\n".join(lines) + "\n"
