@@ -4,7 +4,8 @@
     python -m loadtests.soak --duration 60 --out /tmp/soak.json --plot /tmp/soak.png
 
 Steps: start a private redis-server and stage 5 with CACHE_URL pointing at it; measure
-capacity (closed loop, many clients, the same traffic); then send requests *open loop*
+capacity (closed loop, 16 clients, the same traffic; the lowest of three 4-second windows,
+because on a shared machine a neighbour's job can halve it for a while); then send requests *open loop*
 (a fixed arrival rate, whatever the answers do) at 70% of it for ``--duration`` seconds,
 sampling latency percentiles, errors, the server's RSS and the cache hit share every
 interval. The traffic is half texts from a hot set (cache hits, memory or Redis tier)
@@ -86,6 +87,7 @@ class SoakResult:
     warmup_s: float
     capacity_rps: float
     target_rps: float
+    capacity_windows_rps: list[float] = field(default_factory=list)
     sent: int = 0
     answered: int = 0
     errors: int = 0
@@ -103,26 +105,30 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 2) if values else None
 
 
-async def measure_capacity(url: str, seconds: float, workers: int = 16, seed: int = 1) -> float:
-    """Requests per second of this traffic, closed loop (after one second of warm-up)."""
+async def measure_capacity(
+    url: str, seconds: float, workers: int = 16, seed: int = 1, windows: int = 3
+) -> list[float]:
+    """Requests per second of this traffic, closed loop, in ``windows`` consecutive windows
+    (after one second of warm-up)."""
     traffic = _Traffic(seed)
-    done = 0
+    width = seconds / windows
+    done = [0] * windows
     started = time.monotonic()
     counting_from = started + 1.0
     end = counting_from + seconds
 
     async def worker(client: httpx.AsyncClient) -> None:
-        nonlocal done
         while time.monotonic() < end:
             r = await client.post("/v1/embed", json=traffic.body())
             r.raise_for_status()
-            if time.monotonic() >= counting_from:
-                done += 1
+            window = int((time.monotonic() - counting_from) // width)
+            if 0 <= window < windows:
+                done[window] += 1
 
     limits = httpx.Limits(max_connections=workers)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
         await asyncio.gather(*(worker(client) for _ in range(workers)))
-    return done / seconds
+    return [n / width for n in done]
 
 
 async def soak(url: str, pid: int, result: SoakResult, seed: int = 7) -> None:
@@ -229,20 +235,24 @@ def judge(result: SoakResult) -> dict[str, Any]:
 
 
 def run(
-    duration_s: float, log_dir: Path, interval_s: float | None = None, capacity_s: float = 8.0
+    duration_s: float, log_dir: Path, interval_s: float | None = None, capacity_s: float = 12.0
 ) -> SoakResult:
     """Redis, stage 5, capacity, soak, verdict."""
     interval_s = interval_s or max(duration_s / 60, 2.0)
     with redis_server() as redis:
         env = {"CACHE_URL": redis.url, "CACHE_MAX_ITEMS": "200", "LOG_LEVEL": "WARNING"}
         with stage_process(STAGE, log_dir, env) as server:
-            capacity = asyncio.run(measure_capacity(server.url, capacity_s))
+            # The machine is shared: what the server manages in its worst window is what it can
+            # be asked to hold for ten minutes, so capacity is the lowest of three windows.
+            capacity_windows = asyncio.run(measure_capacity(server.url, capacity_s))
+            capacity = min(capacity_windows)
             result = SoakResult(
                 duration_s=duration_s,
                 interval_s=interval_s,
                 warmup_s=max(duration_s / 5, 2 * interval_s),
                 capacity_rps=round(capacity, 2),
                 target_rps=round(LOAD_FACTOR * capacity, 2),
+                capacity_windows_rps=[round(c, 2) for c in capacity_windows],
             )
             result.load_average["before"] = [round(x, 2) for x in os.getloadavg()]
             asyncio.run(soak(server.url, server.pid, result))
@@ -294,6 +304,7 @@ def write(result: SoakResult, out: Path, command: str) -> None:
 
 def markdown(payload: dict[str, Any]) -> str:
     m, v, load = payload["machine"], payload["verdict"], payload["load_average"]
+    windows = ", ".join(f"{c:g}" for c in payload.get("capacity_windows_rps", []))
     yes = {True: "yes", False: "**no**"}
     return "\n".join(
         [
@@ -305,10 +316,11 @@ def markdown(payload: dict[str, Any]) -> str:
             "<!-- --8<-- [end:machine] -->",
             "",
             "<!-- --8<-- [start:verdict] -->",
-            "| duration | capacity | sent at | requests | errors | p99 first third | p99 last third "
+            "| duration | capacity (lowest window) | sent at | requests | errors "
+            "| p99 first third | p99 last third "
             "| RSS after warm-up | RSS at the end | growth | passed |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
-            f"| {payload['duration_s']:g} s | {payload['capacity_rps']} req/s "
+            f"| {payload['duration_s']:g} s | {payload['capacity_rps']} req/s (windows: {windows}) "
             f"| {payload['target_rps']} req/s | {payload['sent']} | {payload['errors']} "
             f"| {v['p99_first_third_ms']} ms | {v['p99_last_third_ms']} ms "
             f"| {v['rss_after_warmup_mib']} MiB | {v['rss_end_mib']} MiB | {v['rss_growth'] * 100:.1f}% "
