@@ -65,7 +65,10 @@ class Settings(BaseSettings):
     )
     group_by_length: bool = Field(True, description="Pick texts of similar length for one batch.")
     group_window: int = Field(
-        256, ge=1, description="How many queued texts length grouping may look at."
+        96,
+        ge=1,
+        description="How many queued texts length grouping sorts at once; no text is overtaken by "
+        "more than this many later ones.",
     )
     split_by_length: bool = Field(
         True,

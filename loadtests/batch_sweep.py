@@ -127,7 +127,7 @@ def run_stage(
             after = _batcher_metrics(url)
             point.update({"stage": stage, "kind": kind, **{k.lower(): _num(v) for k, v in env.items()}})
             if before and after:
-                point.update(_batch_delta(before, after))
+                point.update(batch_delta(before, after))
             print(json.dumps(point), flush=True)
             results.append(point)
     return results
@@ -145,7 +145,7 @@ def _batcher_metrics(url: str) -> dict[str, Any] | None:
     return dict(response.json()) if response.status_code == 200 else None
 
 
-def _batch_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+def batch_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Batch statistics of the measured interval only (warm-up included: it is the same load)."""
     batches = after["batches"] - before["batches"]
     texts = after["texts"] - before["texts"]

@@ -4,7 +4,7 @@
   padded tokens: rows x longest row).
 * Length grouping, when more is queued than fits: a window of GROUP_WINDOW texts is sorted
   by length and cut into batches (a "round"). Texts that arrive later wait for the round,
-  so reordering stays inside one window: no text waits more than one window beyond FIFO.
+  so no text is overtaken by more than GROUP_WINDOW - 1 texts that arrived after it.
 * Texts whose caller is gone (cancelled, past its deadline, failed) are dropped here,
   before the model.
 """
