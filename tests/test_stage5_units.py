@@ -141,3 +141,31 @@ def test_prometheus_rules_name_real_metrics() -> None:
     for name in used:
         base = re.sub(r"_(bucket|sum|count)$", "", name)
         assert f"`{base}`" in exposed, name
+
+
+def test_request_log_lines_in_both_formats() -> None:
+    """The request line's fast path writes what the formatters would: valid JSON, or key=value text."""
+    import io
+
+    from common.settings import Settings
+    from stage5_metrics.logs import RequestLog, RequestRecord
+
+    record = RequestRecord("rid-1", texts=2, tokens=17, cache_hits=1, cache_misses=1, queue_ms=0.5)
+    for fmt in ("json", "text"):
+        log = RequestLog(Settings(log_format=fmt))
+        log.handler = logging.StreamHandler(io.StringIO())
+        log.write(logging.INFO, "POST", "/v1/embed", 200, record, 12.3456)  # no event loop: written at once
+        log.write(logging.WARNING, 'GE"T', "unmatched", 503, RequestRecord("rid-2"), 1.0)
+        first, second = log.handler.stream.getvalue().splitlines()
+        if fmt == "json":
+            line = json.loads(first)
+            assert list(line)[:4] == ["ts", "level", "logger", "msg"]
+            assert line["request_id"] == "rid-1" and line["status"] == 200 and line["tokens"] == 17
+            assert line["queue_ms"] == 0.5 and line["inference_ms"] is None and line["total_ms"] == 12.346
+            odd = json.loads(second)  # an odd method token cannot break the JSON
+            assert odd["method"] == "OTHER" and odd["level"] == "warning" and odd["texts"] == 0
+        else:
+            assert " INFO request request_id=rid-1 method=POST route=/v1/embed status=200 texts=2" in first
+            assert first.endswith("total_ms=12.346") and "inference_ms=null" in first
+            assert " WARNING request request_id=rid-2" in second
+    RequestLog(Settings())  # leave the process's logging as the settings' defaults have it
