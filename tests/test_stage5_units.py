@@ -168,4 +168,6 @@ def test_request_log_lines_in_both_formats() -> None:
             assert " INFO request request_id=rid-1 method=POST route=/v1/embed status=200 texts=2" in first
             assert first.endswith("total_ms=12.346") and "inference_ms=null" in first
             assert " WARNING request request_id=rid-2" in second
+    quiet = RequestLog(Settings(log_level="WARNING"))  # LOG_LEVEL=WARNING: no request lines
+    assert not quiet.enabled(logging.INFO) and quiet.enabled(logging.WARNING)
     RequestLog(Settings())  # leave the process's logging as the settings' defaults have it
