@@ -29,6 +29,7 @@ EMBED_ROUTES = frozenset({"/v1/embed", "/v1/embeddings"})
 _QUIET_ROUTES = frozenset(
     {"/health", "/ready", "/metrics", "/v1/metrics", "/v1/dashboard", "/dashboard", "/dashboard/dashboard.js"}
 )
+_KNOWN_PATHS = EMBED_ROUTES | _QUIET_ROUTES | {"/v1/models"}
 _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 _CLIENT_GONE = 499  # no response was sent: the client left first (nginx's code for it)
 # Generated ids: a random half per process, a counter for the other (cheaper than 16 random bytes).
@@ -84,8 +85,9 @@ class Telemetry:
 
     def finish(self, scope: Scope, record: RequestRecord, status: int, seconds: float) -> None:
         """Count one answered request everywhere, then write its log line."""
-        route_obj = scope.get("route")
-        route = getattr(route_obj, "path", None) or "unmatched"
+        route = getattr(scope.get("route"), "path", None)
+        if route is None:  # answered before routing (401 from the key check, 413 from the body limit)
+            route = scope["path"] if scope["path"] in _KNOWN_PATHS else "unmatched"
         total_ms = seconds * 1e3
         if route in EMBED_ROUTES:
             ok = status == 200

@@ -283,3 +283,17 @@ def test_overload_and_disconnect_are_counted(tmp_path_factory: pytest.TempPathFa
         assert delta("embedserve_rejected_requests_total", reason="disconnect") == 1
         gone = [line for line in log_lines(srv) if line.get("request_id") == "hang-up-request"]
         assert len(gone) == 1 and gone[0]["status"] == 499 and gone[0]["texts"] == 8
+
+
+def test_answers_before_routing_keep_their_route(server: Server) -> None:
+    """A 413 from the body limit never reaches the router; it still counts under /v1/embed."""
+    before = scrape(server.url)
+    big = b'{"inputs": ["' + b"x" * 2_100_000 + b'"]}'
+    response = httpx.post(f"{server.url}/v1/embed", content=big, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.headers["x-request-id"]
+    after = scrape(server.url)
+    key = {"route": "/v1/embed", "status": "413"}
+    assert (
+        value(after, "embedserve_requests_total", **key) - value(before, "embedserve_requests_total", **key)
+        == 1
+    )
