@@ -45,6 +45,8 @@ from common.machine import machine_info
 from loadtests.procs import redis_server, stage_process
 
 REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "docs/results/soak.json"
+DEFAULT_PLOT = REPO / "docs/img/soak.png"
 STAGE = "stage5_metrics"
 LOAD_FACTOR = 0.7
 HOT_SET = 400
@@ -341,16 +343,22 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--duration", type=float, default=600, help="seconds of soak after capacity")
-    parser.add_argument("--out", type=Path, default=REPO / "docs/results/soak.json")
-    parser.add_argument("--plot", type=Path, default=REPO / "docs/img/soak.png")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
     parser.add_argument("--load", type=float, default=LOAD_FACTOR, help="share of capacity to send")
     args = parser.parse_args(argv)
     _stop_children_on_sigterm()
     with tempfile.TemporaryDirectory() as logs:
-        result = run(args.duration, Path(logs))
-    command = (
-        "make soak" if args.duration == 600 else f"python -m loadtests.soak --duration {args.duration:g}"
-    )
+        result = run(args.duration, Path(logs), load_factor=args.load)
+    # The command that reproduces this file, recorded in it.
+    command = f"python -m loadtests.soak --duration {args.duration:g}"
+    if args.load != LOAD_FACTOR:
+        command += f" --load {args.load:g}"
+    for flag, value, default in (("--out", args.out, DEFAULT_OUT), ("--plot", args.plot, DEFAULT_PLOT)):
+        if value.resolve() != default:
+            command += f" {flag} {value}"
+    if command == "python -m loadtests.soak --duration 600":
+        command = "make soak"
     write(result, args.out, command)
     plot(result, args.plot)
     print(json.dumps(result.verdict, indent=1))
