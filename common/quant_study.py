@@ -256,31 +256,29 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
+    """Two bar charts side by side, one row per variant: quality (with the gate) and speed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in report["variants"] if "error" not in r and r["kind"] != "fp32"]
+    rows = [r for r in report["variants"] if "error" not in r and r["kind"] != "fp32"][::-1]
     fp32 = next(r for r in report["variants"] if r["name"] == "fp32")
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in rows:
-        colour = "tab:green" if not r["gate_failures"] else "tab:red"
-        marker = "s" if r["kind"] == "dynamic" else "o"
-        ax.scatter(r["mean_cosine_to_fp32"], r["texts_per_cpu_s_b32"], c=colour, marker=marker)
-        ax.annotate(
-            r["name"],
-            (r["mean_cosine_to_fp32"], r["texts_per_cpu_s_b32"]),
-            fontsize=7,
-            xytext=(4, 2),
-            textcoords="offset points",
-        )
-    ax.axvline(build_model.GATE_MEAN_COSINE, color="grey", linestyle="--", linewidth=1)
-    ax.axhline(fp32["texts_per_cpu_s_b32"], color="tab:blue", linestyle=":", linewidth=1)
-    ax.text(ax.get_xlim()[0], fp32["texts_per_cpu_s_b32"], " fp32", color="tab:blue", va="bottom", fontsize=8)
-    ax.set_xlabel("mean cosine to fp32 (gate: 0.99, dashed)")
-    ax.set_ylabel("texts per CPU-second at batch 32 (one ONNX thread)")
-    ax.set_title("INT8 recipes: quality against speed (green passes both gates; square: dynamic)")
+    names = [r["name"] for r in rows]
+    colours = ["tab:green" if not r["gate_failures"] else "tab:red" for r in rows]
+    fig, (cos_ax, speed_ax) = plt.subplots(1, 2, figsize=(11, 0.32 * len(rows) + 1.6), sharey=True)
+    cos_ax.barh(names, [r["mean_cosine_to_fp32"] for r in rows], color=colours)
+    cos_ax.axvline(build_model.GATE_MEAN_COSINE, color="black", linestyle="--", linewidth=1)
+    low = min(r["mean_cosine_to_fp32"] for r in rows)
+    cos_ax.set_xlim(low - 0.01, 1.0)
+    cos_ax.set_xlabel(f"mean cosine to fp32 (gate {build_model.GATE_MEAN_COSINE}, dashed)")
+    speed_ax.barh(names, [r["texts_per_cpu_s_b32"] for r in rows], color=colours)
+    speed_ax.axvline(fp32["texts_per_cpu_s_b32"], color="tab:blue", linestyle=":", linewidth=1.5)
+    speed_ax.set_xlabel("texts per CPU-second, batch 32, one thread (fp32 dotted)")
+    for ax in (cos_ax, speed_ax):
+        ax.tick_params(axis="y", labelsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle("INT8 variants against fp32: green passes both quality gates, red fails one")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -385,7 +383,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few recipes, one speed round (smoke test)")
     parser.add_argument("--out", type=Path, default=RESULTS / "quantization.json")
     parser.add_argument("--plot", type=Path, default=REPO_ROOT / "docs" / "img" / "quantization.png")
+    parser.add_argument("--render", action="store_true", help="only rewrite the table and plot from --out")
     args = parser.parse_args(argv)
+    if args.render:
+        report = json.loads(args.out.read_text())
+        args.out.with_suffix(".md").write_text(markdown(report))
+        plot(report, args.plot)
+        print(f"rendered {args.out.with_suffix('.md')} and {args.plot} from {args.out}")
+        return 0
     if args.stsb is not None and not args.stsb.exists():
         parser.error(f"--stsb {args.stsb}: no such file")
     t0 = time.perf_counter()
