@@ -24,6 +24,13 @@ RESULT_LINK = re.compile(r"(?<![\w/])((?:docs/)?(?:results|img)/[\w.\-/]+\.(?:js
 def snippet_problems(doc: Path, repo: Path) -> list[str]:
     """Why each `--8<--` reference in `doc` would not include what it names (empty: all fine)."""
     problems = []
+    in_fence = False
+    for line in doc.read_text().splitlines():
+        in_fence ^= line.lstrip().startswith("```")
+        ref = line.strip().removeprefix('--8<-- "').removesuffix('"')
+        # Code outside a fence renders as markdown: its `# comments` become headings.
+        if line.lstrip().startswith("--8<--") and not in_fence and not ref.split(":")[0].endswith(".md"):
+            problems.append(f"{doc.name}: {ref}: code included outside a ``` fence")
     for ref in SNIPPET.findall(doc.read_text()):
         path, _, section = ref.partition(":")
         target = repo / path
@@ -69,14 +76,18 @@ def test_the_checks_catch_a_removed_marker_and_a_missing_result(tmp_path: Path) 
     (tmp_path / "code.py").write_text("# --8<-- [start:kept]\nx = 1\n# --8<-- [end:kept]\n")
     doc = tmp_path / "docs" / "chapter.md"
     doc.parent.mkdir()
+    fence = "```"
     doc.write_text(
-        '--8<-- "code.py:kept"\n--8<-- "code.py:gone"\n--8<-- "code.py:3:4"\n--8<-- "nope.py"\n'
-        "See [the run](results/missing.json).\n"
+        f'{fence}python\n--8<-- "code.py:kept"\n--8<-- "code.py:gone"\n--8<-- "code.py:3:4"\n{fence}\n'
+        '\n--8<-- "nope.py"\nSee [the run](results/missing.json).\n'
     )
     problems = snippet_problems(doc, tmp_path)
-    assert len(problems) == 4, problems
-    assert "no [start:gone] marker" in problems[0] and "no [end:gone] marker" in problems[1]
-    assert "line numbers" in problems[2] and "no file nope.py" in problems[3]
+    assert len(problems) == 5, problems
+    outside = [p for p in problems if "outside a ``` fence" in p]
+    assert outside == ["chapter.md: nope.py: code included outside a ``` fence"]
+    rest = [p for p in problems if p not in outside]
+    assert "no [start:gone] marker" in rest[0] and "no [end:gone] marker" in rest[1]
+    assert "line numbers" in rest[2]
     assert result_problems(doc, tmp_path) == ["chapter.md: results/missing.json does not exist"]
 
 
