@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common import docs_tables, settings_doc
+from common import docs_tables, quant_study, settings_doc
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -104,6 +104,12 @@ def test_the_settings_check_fails_on_a_stale_table(tmp_path: Path) -> None:
 
 def test_tables_rendered_from_json_results_are_current() -> None:
     assert docs_tables.main(["--check"]) == 0, "run `python -m common.docs_tables` and commit the result"
+
+
+def test_the_quantization_tables_match_their_json() -> None:
+    report = json.loads((DOCS / "results" / "quantization.json").read_text())
+    table = (DOCS / "results" / "quantization.md").read_text()
+    assert quant_study.markdown(report) == table, "run `python -m common.quant_study --render`"
 
 
 def test_the_tables_check_fails_on_a_stale_table(tmp_path: Path) -> None:
