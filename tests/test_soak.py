@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loadtests import soak
+from loadtests import soak, soak_report
 
 
 def test_soak_60_seconds(tmp_path: Path) -> None:
     result = soak.run(60, tmp_path, interval_s=2.0, load_factor=0.5)
     out, png = tmp_path / "soak.json", tmp_path / "soak.png"
-    soak.write(result, out, "tests/test_soak.py")
-    soak.plot(result, png)
+    soak_report.write(result, out, "tests/test_soak.py")
+    soak_report.plot(result, png)
     verdict = result.verdict
     # On failure, say what the run looked like: a shared machine can change under a soak.
     context = (
@@ -43,5 +43,5 @@ def test_soak_60_seconds(tmp_path: Path) -> None:
 def test_the_soak_table_in_the_docs_matches_its_json() -> None:
     results = Path(__file__).resolve().parent.parent / "docs" / "results"
     payload = json.loads((results / "soak.json").read_text())
-    assert (results / "soak.md").read_text() == soak.markdown(payload), "rerun `make soak` and commit"
+    assert (results / "soak.md").read_text() == soak_report.markdown(payload), f"rerun {payload['command']}"
     assert payload["verdict"]["passed"] and payload["errors"] == 0
