@@ -80,6 +80,9 @@ class Interval:
     rss_mib: float
     cache_hit_share: float | None
     in_flight: int  # requests sent and not yet answered at the end of the interval
+    # Both share the machine's cores: a client that needs more CPU slows the server it measures.
+    server_cpu_pct: float = 0.0
+    client_cpu_pct: float = 0.0
 
 
 @dataclass
@@ -136,7 +139,8 @@ async def measure_capacity(
 async def soak(url: str, pid: int, result: SoakResult, seed: int = 7) -> None:
     """Open loop at ``result.target_rps`` for ``result.duration_s``, one ``Interval`` per interval."""
     traffic = _Traffic(seed)
-    server = psutil.Process(pid)
+    server, client_process = psutil.Process(pid), psutil.Process()
+    server.cpu_percent(), client_process.cpu_percent()  # start both CPU counters
     latencies: list[float] = []
     errors = 0
     hits = misses = 0
@@ -162,7 +166,9 @@ async def soak(url: str, pid: int, result: SoakResult, seed: int = 7) -> None:
             errors += 1
             result.error_kinds[kind] = result.error_kinds.get(kind, 0) + 1
 
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    # One connection per request in flight: requests queued inside the client's pool would cost
+    # the client CPU (which the server needs) and hide where the wait is.
+    limits = httpx.Limits(max_connections=MAX_IN_FLIGHT, max_keepalive_connections=MAX_IN_FLIGHT)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
         began = time.monotonic()
         next_sample = began + result.interval_s
@@ -180,6 +186,8 @@ async def soak(url: str, pid: int, result: SoakResult, seed: int = 7) -> None:
                         p95_ms=_pct(latencies, 95),
                         p99_ms=_pct(latencies, 99),
                         rss_mib=round(server.memory_info().rss / 2**20, 1),
+                        server_cpu_pct=server.cpu_percent(),
+                        client_cpu_pct=client_process.cpu_percent(),
                         cache_hit_share=round(hits / (hits + misses), 3) if hits + misses else None,
                         in_flight=in_flight,
                     )
