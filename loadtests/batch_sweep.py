@@ -15,7 +15,7 @@ and docs/img/stage3_sweep.png. One run, one machine:
   grouping and length buckets.
 * ``variant``: MODEL_VARIANT=int8-static, where length buckets change no vector.
 
-The load comes from a small asyncio HTTP/1.1 client (keep-alive, one connection per client,
+The load comes from loadtests.httpload, a small asyncio HTTP/1.1 client (keep-alive, one connection per client,
 pre-built bodies): on 2 cores every millisecond the client spends is taken from the server, and
 this client spends about a tenth of what Locust does. Its own CPU time is recorded with each point.
 """
@@ -34,7 +34,6 @@ from typing import Any
 import httpx
 import numpy as np
 import orjson
-import psutil
 
 from common import corpus
 from common.engine import Engine
@@ -43,6 +42,7 @@ from common.settings import Settings
 from loadtests.batch_report import markdown, plot
 from loadtests.compare import engine_ceiling
 from loadtests.harness import REPO, running_stage, settle
+from loadtests.httpload import post_requests, run_load
 from stage3_batching.batcher import Batcher
 
 RESULTS_DIR = REPO / "docs" / "results"
@@ -52,58 +52,9 @@ BATCH_SIZES = (1, 4, 8, 16, 32, 64)
 WINDOWS_MS = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0)
 
 
-# --8<-- [start:driver]
-async def _client(port: int, bodies: list[bytes], start: int, until: float, out: list[float]) -> int:
-    """One keep-alive connection sending requests back to back; appends latencies in ms."""
-    reader, writer = await asyncio.open_connection(HOST, port)
-    errors, i = 0, start
-    try:
-        while time.perf_counter() < until:
-            body = bodies[i % len(bodies)]
-            i += 1
-            head = b"POST /v1/embed HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            sent = time.perf_counter()
-            writer.write(b"%scontent-length: %d\r\n\r\n%s" % (head, len(body), body))
-            response = await reader.readuntil(b"\r\n\r\n")
-            length = int(response.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-            await reader.readexactly(length)
-            if response[9:12] == b"200":
-                out.append((time.perf_counter() - sent) * 1e3)
-            else:
-                errors += 1
-    finally:
-        writer.close()
-    return errors
-
-
-async def _drive(port: int, bodies: list[bytes], clients: int, seconds: float) -> tuple[list[float], int]:
-    until = time.perf_counter() + seconds
-    latencies: list[float] = []
-    step = len(bodies) // clients
-    errors = await asyncio.gather(
-        *(_client(port, bodies, i * step, until, latencies) for i in range(clients))
-    )
-    return latencies, sum(errors)
-
-
 def load(port: int, bodies: list[bytes], clients: int, seconds: float, warmup: float) -> dict[str, Any]:
     """Requests/s and latency percentiles of ``clients`` closed-loop clients over ``seconds``."""
-    asyncio.run(_drive(port, bodies[::-1], clients, warmup))  # other texts: no cache can help
-    me = psutil.Process()
-    cpu = sum(me.cpu_times()[:2])
-    latencies, errors = asyncio.run(_drive(port, bodies, clients, seconds))
-    lat = np.asarray(latencies)
-    return {
-        "clients": clients,
-        "requests_per_s": len(lat) / seconds,
-        "p50_ms": float(np.percentile(lat, 50)) if len(lat) else None,
-        "p99_ms": float(np.percentile(lat, 99)) if len(lat) else None,
-        "errors": errors,
-        "client_cpu_cores": (sum(me.cpu_times()[:2]) - cpu) / seconds,
-    }
-
-
-# --8<-- [end:driver]
+    return run_load(HOST, port, post_requests("/v1/embed", bodies), clients, seconds, warmup)
 
 
 def bodies_for(kind: str, n: int, seed: int) -> list[bytes]:
