@@ -15,8 +15,8 @@ and docs/img/stage3_sweep.png. One run, one machine:
   grouping and length buckets.
 * ``variant``: MODEL_VARIANT=int8-static, where length buckets change no vector.
 
-The load comes from loadtests.httpload, a small asyncio HTTP/1.1 client (keep-alive, one connection per client,
-pre-built bodies): on 2 cores every millisecond the client spends is taken from the server, and
+The load comes from loadtests.httpload, a small asyncio HTTP/1.1 client (keep-alive, one connection
+per client, pre-built bodies): on 2 cores every millisecond the client spends is taken from the server, and
 this client spends about a tenth of what Locust does. Its own CPU time is recorded with each point.
 """
 
