@@ -80,6 +80,7 @@ class Interval:
     rss_mib: float
     cache_hit_share: float | None
     in_flight: int  # requests sent and not yet answered at the end of the interval
+    sent: int = 0  # requests due in this interval (the arrival schedule)
     # Both share the machine's cores: a client that needs more CPU slows the server it measures.
     server_cpu_pct: float = 0.0
     client_cpu_pct: float = 0.0
@@ -168,11 +169,17 @@ async def soak(url: str, pid: int, result: SoakResult, seed: int = 7) -> None:
 
     # One connection per request in flight: requests queued inside the client's pool would cost
     # the client CPU (which the server needs) and hide where the wait is.
-    limits = httpx.Limits(max_connections=MAX_IN_FLIGHT, max_keepalive_connections=MAX_IN_FLIGHT)
+    # Idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them under a
+    # request (a race that shows up as ReadError and is the client's, not the server's, fault).
+    limits = httpx.Limits(
+        max_connections=MAX_IN_FLIGHT, max_keepalive_connections=MAX_IN_FLIGHT, keepalive_expiry=2.0
+    )
+    ramp_s = result.warmup_s / 2
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
         began = time.monotonic()
         next_sample = began + result.interval_s
-        i = 0
+        due = began
+        sent_in_interval = 0
         while True:
             now = time.monotonic()
             if now >= next_sample:
@@ -181,6 +188,7 @@ async def soak(url: str, pid: int, result: SoakResult, seed: int = 7) -> None:
                     Interval(
                         t=round(next_sample - began, 1),
                         requests=len(latencies) + errors,
+                        sent=sent_in_interval,
                         errors=errors,
                         p50_ms=_pct(latencies, 50),
                         p95_ms=_pct(latencies, 95),
@@ -192,16 +200,19 @@ async def soak(url: str, pid: int, result: SoakResult, seed: int = 7) -> None:
                         in_flight=in_flight,
                     )
                 )
-                latencies, errors, hits, misses = [], 0, 0, 0
+                latencies, errors, hits, misses, sent_in_interval = [], 0, 0, 0, 0
                 next_sample += result.interval_s
             if now - began >= result.duration_s:
                 break
-            due = began + i / result.target_rps
             if due > now:
                 await asyncio.sleep(min(due, next_sample) - now)
                 continue
-            i += 1
+            # Ramp from 10% to the full rate over the first half of the warm-up: a cold cache
+            # and a client opening its connections at full rate would start the run behind.
+            ramp = min(1.0, 0.1 + 0.9 * (due - began) / ramp_s) if ramp_s > 0 else 1.0
+            due += 1 / (result.target_rps * ramp)
             result.sent += 1
+            sent_in_interval += 1
             if in_flight >= MAX_IN_FLIGHT:
                 errors += 1
                 result.error_kinds["client_backlog"] = result.error_kinds.get("client_backlog", 0) + 1
@@ -225,7 +236,8 @@ def judge(result: SoakResult) -> dict[str, Any]:
     rss_start = steady[0].rss_mib
     rss_end = statistics.median(iv.rss_mib for iv in last)
     rss_growth = rss_end / rss_start - 1
-    achieved = result.sent / result.duration_s
+    # After the warm-up (and its ramp) the client must have sent at the target rate.
+    achieved = sum(iv.sent for iv in steady) / (len(steady) * result.interval_s)
     checks = {
         "no_errors": result.errors == 0,
         "p99_stable": p99_last <= P99_RATIO_LIMIT * p99_first,
