@@ -55,7 +55,9 @@ async def drive(
 
     async def worker(seed: int) -> None:
         rng = random.Random(seed)
-        async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
+        # Idle connections go before uvicorn's 5 s keep-alive timeout can close one under a request.
+        limits = httpx.Limits(keepalive_expiry=2.0)
+        async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
             while not stop.is_set():
                 started = time.monotonic()
                 try:
