@@ -121,15 +121,14 @@ class Engine:
 
     @property
     def model_sha256(self) -> str:
-        """Digest of the served ONNX file: part of every cache key, so a new model never serves old vectors."""
+        """Digest of the served ONNX file: in every cache key, so a new model never serves old vectors."""
         return str(self.manifest["files"][f"{self.variant}/model.onnx"]["sha256"])
 
     # -- tokenization (cheap, on the request path) ---------------------------
     def tokenize(self, texts: Sequence[str]) -> list[TokenizedText]:
         encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=True)
         return [
-            TokenizedText(np.asarray(e.ids, dtype=np.int64), truncated=bool(e.overflowing))
-            for e in encodings
+            TokenizedText(np.asarray(e.ids, dtype=np.int64), truncated=bool(e.overflowing)) for e in encodings
         ]
 
     # -- the model call (expensive, thread safe) -----------------------------

@@ -52,17 +52,30 @@ def embed(args: argparse.Namespace) -> int:
     engine = Engine(settings.model_dir, variant=args.variant, intra_threads=settings.onnx_intra_threads)
     out = engine.embed(texts, normalize=not args.raw)
     if args.summary:
-        print(f"model {engine.model_name}: {len(texts)} texts -> {out.vectors.shape}, "
-              f"{out.timings['inference_ms']:.1f} ms")
+        print(
+            f"model {engine.model_name}: {len(texts)} texts -> {out.vectors.shape}, "
+            f"{out.timings['inference_ms']:.1f} ms"
+        )
         for text, vec, n, cut in zip(texts, out.vectors, out.n_tokens, out.truncated, strict=True):
             head = ", ".join(f"{x:+.4f}" for x in vec[:4])
-            print(f"  [{head}, ...] norm={np.linalg.norm(vec):.3f} tokens={n}{' (truncated)' if cut else ''}"
-                  f"  {text[:60]!r}")
+            print(
+                f"  [{head}, ...] norm={np.linalg.norm(vec):.3f} tokens={n}{' (truncated)' if cut else ''}"
+                f"  {text[:60]!r}"
+            )
     else:
-        json.dump({"model": engine.model_name, "embeddings": out.vectors.tolist(),
-                   "truncated": out.truncated, "tokens": out.n_tokens}, sys.stdout)
+        json.dump(
+            {
+                "model": engine.model_name,
+                "embeddings": out.vectors.tolist(),
+                "truncated": out.truncated,
+                "tokens": out.n_tokens,
+            },
+            sys.stdout,
+        )
         print()
     return 0
+
+
 # --8<-- [end:embed]
 
 
@@ -106,7 +119,8 @@ def bench(args: argparse.Namespace) -> int:
     manifest = Engine(get_settings().model_dir, variant="fp32").manifest
     rows = [bench_variant(v, texts, args.seconds) for v in VARIANTS]
     result = {
-        "command": "python -m stage0_script --bench" + (f" --seconds {args.seconds}" if args.seconds != 2 else ""),
+        "command": "python -m stage0_script --bench"
+        + (f" --seconds {args.seconds}" if args.seconds != 2 else ""),
         "machine": machine_info(),
         "texts": {"kind": "sentence", "count": len(texts), "seed": 11},
         "int8_default": manifest.get("int8_default"),
@@ -118,8 +132,10 @@ def bench(args: argparse.Namespace) -> int:
     print(header)
     for r in rows:
         tput = " ".join(f"{r['items_per_s'][str(b)]:7.0f}" for b in BATCH_SIZES)
-        print(f"{r['variant']:13s} {r['size_mb']:6.1f} {r['load_s']:7.2f} "
-              f"{r['latency_ms_batch1']['p50']:7.2f} {tput}")
+        print(
+            f"{r['variant']:13s} {r['size_mb']:6.1f} {r['load_s']:7.2f} "
+            f"{r['latency_ms_batch1']['p50']:7.2f} {tput}"
+        )
     print("items/s by batch size; quality from the build manifest:")
     for r in rows:
         print(f"  {r['variant']:13s} {r['quality']}")
@@ -128,12 +144,17 @@ def bench(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     return 0
+
+
 # --8<-- [end:bench]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stage0_script", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m stage0_script",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("texts", nargs="*", help="texts to embed")
     parser.add_argument("--file", help="read one text per line from this file ('-' for stdin)")
     parser.add_argument("--summary", action="store_true", help="print a short summary, not the vectors")

@@ -67,7 +67,10 @@ def run_server(
     full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), **(env or {})}
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "common.serve", stage], cwd=REPO, env=full_env, stdout=log,
+            [sys.executable, "-m", "common.serve", stage],
+            cwd=REPO,
+            env=full_env,
+            stdout=log,
             stderr=subprocess.STDOUT,
         )
     server = Server(f"http://127.0.0.1:{port}", process, log_path)
@@ -99,7 +102,7 @@ def run_server(
 def server_factory(tmp_path: Path):  # type: ignore[no-untyped-def]
     """``with server_factory("stage3_batching", {"MAX_BATCH_SIZE": "8"}) as srv: ...``"""
 
-    def factory(stage: str, env: dict[str, str] | None = None) -> "contextmanager[Server]":  # type: ignore[valid-type]
+    def factory(stage: str, env: dict[str, str] | None = None) -> contextmanager[Server]:  # type: ignore[valid-type]
         return run_server(stage, tmp_path, env)
 
     return factory

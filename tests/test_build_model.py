@@ -83,7 +83,11 @@ def test_gate_messages_say_which_and_by_how_much() -> None:
     report = {
         "variants": {
             "fp32": {"stsb_spearman_x100": 86.7},
-            "int8-static": {"mean_cosine_to_fp32": 0.93, "min_cosine_to_fp32": 0.88, "stsb_spearman_x100": 85.0},
+            "int8-static": {
+                "mean_cosine_to_fp32": 0.93,
+                "min_cosine_to_fp32": 0.88,
+                "stsb_spearman_x100": 85.0,
+            },
         }
     }
     failures = gate_failures(report, "int8-static")
@@ -94,7 +98,7 @@ def test_gate_messages_say_which_and_by_how_much() -> None:
 
 @pytest.mark.timeout(600)
 def test_model_option_builds_another_bert_encoder(tmp_path: Path) -> None:
-    """`--model PATH` takes any BERT-family checkpoint: a tiny random BERT, exported and quantized for real."""
+    """`--model PATH` takes any BERT-family checkpoint: a tiny random BERT, exported and quantized."""
     from transformers import BertConfig, BertModel
 
     src = tmp_path / "tiny-bert"
@@ -105,8 +109,20 @@ def test_model_option_builds_another_bert_encoder(tmp_path: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(packaged_model_dir() / name, src / name)
     proc = subprocess.run(
-        [sys.executable, "-m", "common.build_model", "--model", str(src), "--out-root", str(tmp_path / "out")],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+        [
+            sys.executable,
+            "-m",
+            "common.build_model",
+            "--model",
+            str(src),
+            "--out-root",
+            str(tmp_path / "out"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     out = tmp_path / "out" / "tiny-bert"
     manifest = json.loads((out / "manifest.json").read_text())

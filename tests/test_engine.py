@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
@@ -52,7 +54,7 @@ def test_truncation_at_the_model_limit(engine: Engine) -> None:
 
 
 def _alone_vs_batched(engine: Engine) -> np.ndarray:
-    texts = [corpus.passage(__import__("random").Random(1))] + _sentences(15, seed=9)
+    texts = [corpus.passage(random.Random(1)), *_sentences(15, seed=9)]
     alone = np.concatenate([engine.embed([t]).vectors for t in texts])
     batched = engine.embed(texts).vectors  # padded to the passage's length
     return np.asarray((alone * batched).sum(axis=1))

@@ -16,8 +16,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "stage0_script", *args], cwd=REPO, input=stdin, capture_output=True,
-        text=True, timeout=300, check=False,
+        [sys.executable, "-m", "stage0_script", *args],
+        cwd=REPO,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
 
 
