@@ -108,6 +108,7 @@ def running_stage(
     log_path: Path,
     env: dict[str, str] | None = None,
     without: tuple[str, ...] = (),
+    ready_timeout: float = 180.0,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """Start ``stage`` as `make stageN` does, wait for /ready, and stop it (SIGTERM) on exit.
 
@@ -123,7 +124,10 @@ def running_stage(
             stderr=subprocess.STDOUT,
         )
     try:
-        wait_ready(f"http://{host}:{port}", process)
+        try:
+            wait_ready(f"http://{host}:{port}", process, ready_timeout)
+        except RuntimeError as exc:  # say why: the server's own output
+            raise RuntimeError(f"{stage}: {exc}\n{log_path.read_text(errors='replace')}") from None
         yield process
     finally:
         if process.poll() is None:

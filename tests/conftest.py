@@ -5,19 +5,17 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from common.engine import Engine
 from common.serve import available_stages
 from common.settings import Settings
+from loadtests.harness import running_stage
 
 REPO = Path(__file__).resolve().parent.parent
 # STAGES=stage2_threadpool,stage3_batching narrows the per-stage suites (a targeted run, or a
@@ -64,38 +62,8 @@ def run_server(
     """Start a stage with the command `make stageN` runs, wait for /ready, stop it after."""
     port = free_port()
     log_path = tmp_path / f"{stage}-{port}.log"
-    full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), **(env or {})}
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "common.serve", stage],
-            cwd=REPO,
-            env=full_env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    server = Server(f"http://127.0.0.1:{port}", process, log_path)
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{stage} exited with {process.returncode}:\n{server.log()}")
-            try:
-                if httpx.get(f"{server.url}/ready", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{stage} not ready after {ready_timeout} s:\n{server.log()}")
-            time.sleep(0.1)
-        yield server
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with running_stage(stage, "127.0.0.1", port, log_path, env, ready_timeout=ready_timeout) as process:
+        yield Server(f"http://127.0.0.1:{port}", process, log_path)
 
 
 @pytest.fixture
