@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from common.auth import install_auth
 from common.engine import Engine, TokenizedText
-from common.limits import APIError, BodySizeLimit, error_body
+from common.limits import APIError, BodyGuard, error_body
 from common.schemas import (
     EmbedRequest,
     EmbedResponse,
@@ -240,7 +240,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text}
     for status, text in {
         400: "Bad header (X-Request-Timeout)",
+        408: "Body not received within BODY_TIMEOUT_S",
         413: "Body larger than MAX_BODY_BYTES",
+        415: "Compressed body (Content-Encoding other than identity)",
         422: "Invalid body: the message names the field (and the index)",
         503: "Not ready, or overloaded (later stages)",
         504: "Deadline passed (later stages)",
@@ -280,7 +282,7 @@ def create_app(
     app = FastAPI(title=title, description=description, lifespan=lifespan, version="1.0")
     app.state.settings = settings
     app.state.ready = False
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     install_auth(app, settings)  # outermost: a request without a key is not even read
     _install_error_handlers(app)
     _install_routes(app, settings)
@@ -298,7 +300,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         message, param = describe_validation_error(exc.errors())
         return Response(error_body(422, message, param), 422, media_type=_JSON)
 
-    # 404 unknown route, 405 wrong method, 413 from BodySizeLimit on a chunked body.
+    # 404 unknown route, 405 wrong method, 413/408 from BodyGuard on a chunked or slow body.
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         return Response(

@@ -7,6 +7,7 @@ Every error any stage returns has the OpenAI shape::
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -18,6 +19,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "request_too_large",
     415: "invalid_request_error",
     422: "invalid_request_error",
@@ -58,19 +60,29 @@ def error_body(status: int, message: str, param: str | None = None, type: str | 
     return orjson.dumps({"error": error})
 
 
-class BodySizeLimit:
-    """Refuse bodies over ``max_bytes`` with 413 before they are buffered.
+class BodyGuard:
+    """Refuse a request body that is too large, compressed, or too slow, before it is buffered.
 
-    A pure ASGI middleware: it checks Content-Length first, and counts the bytes of a
-    chunked body as they arrive, so a 100 MB upload is cut off after ``max_bytes``.
-    (Starlette has no built-in limit; a ``BaseHTTPMiddleware`` would cost every request.)
-    The chunked case raises from ``receive``, inside the route's ``await request.body()``:
-    the app's HTTPException handler answers it; should nothing answer, this class does.
+    A pure ASGI middleware (a ``BaseHTTPMiddleware`` would cost every request), three rules:
+
+    - **size**: over ``max_bytes`` gets 413. Content-Length is checked first, and the bytes of a
+      chunked body are counted as they arrive, so a 100 MB upload is cut off after ``max_bytes``.
+    - **encoding**: a body with a ``Content-Encoding`` other than ``identity`` gets 415 (RFC 9110
+      15.5.16). The server does not decompress request bodies: a compressed body would otherwise
+      reach the JSON parser as bytes and come back as a puzzling 422, and decompressing would
+      need its own limits (a 50 KB gzip body can inflate to 50 MB).
+    - **time**: the whole body must arrive within ``timeout_s`` of the request's start, or 408.
+      A client that trickles its body a byte at a time holds no thread and no batch slot here,
+      but without a deadline it would hold its connection and a task forever.
+
+    The chunked and slow cases raise from ``receive``, inside the route's ``await request.body()``:
+    the app's HTTPException handler answers; should nothing answer, this class does.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -86,16 +98,33 @@ class BodySizeLimit:
                 if too_big:
                     await self._refuse(send, 413, self._message())
                     return
+            elif name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+                encoding = value.decode("latin-1")[:40]
+                await self._refuse(
+                    send,
+                    415,
+                    f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed",
+                )
+                return
         received = 0
+        body_done = False
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         response_started = False
 
-        async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
+        async def guarded_receive() -> Message:
+            nonlocal received, body_done
+            if body_done:  # after the body, receive() waits for a disconnect: no deadline on that
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise _TooSlow(self.timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     raise _TooLarge(self._message())
+                body_done = not message.get("more_body", False)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -105,10 +134,10 @@ class BodySizeLimit:
             await send(message)
 
         try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _TooLarge:
+            await self.app(scope, guarded_receive, tracking_send)
+        except (_TooLarge, _TooSlow) as exc:
             if not response_started:
-                await self._refuse(send, 413, self._message())
+                await self._refuse(send, exc.status_code, exc.detail)
 
     def _message(self) -> str:
         return f"request body is larger than MAX_BODY_BYTES ({self.max_bytes} bytes)"
@@ -133,3 +162,9 @@ class BodySizeLimit:
 class _TooLarge(HTTPException):
     def __init__(self, message: str) -> None:
         super().__init__(413, message, headers={"Connection": "close"})
+
+
+class _TooSlow(HTTPException):
+    def __init__(self, timeout_s: float) -> None:
+        message = f"request body did not arrive within BODY_TIMEOUT_S ({timeout_s:g} s)"
+        super().__init__(408, message, headers={"Connection": "close"})

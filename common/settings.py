@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     max_items: int = Field(64, ge=1, description="Most texts in one request.")
     max_chars: int = Field(20_000, ge=1, description="Longest text, in characters, before tokenizing.")
     max_body_bytes: int = Field(2_000_000, ge=1, description="Largest request body; larger gets 413.")
+    body_timeout_s: float = Field(
+        15.0, gt=0, description="Longest time a request body may take to arrive; slower gets 408."
+    )
 
     # --- stage 2: thread pool ---------------------------------------------
     worker_threads: int = Field(1, ge=1, description="Threads that run the model (stage 2).")
