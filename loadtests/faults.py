@@ -10,6 +10,7 @@ asserts on them; ``python -m loadtests.reliability`` writes them to the docs.
 * ``sigterm_drain``: a burst of slow requests is admitted (the server says so in
   ``/v1/cache/metrics``), then SIGTERM. Every admitted request must get its 200; requests
   sent after the signal are refused cleanly (connection refused or 503), never cut off.
+  With ``redis_dies``, Redis is SIGKILLed during that drain too: two faults at once.
 * ``sigkill_restart``: the server is SIGKILLed under load and started again on the same
   port; it must come back ready, and with Redis the texts it embedded before are hits.
 """
@@ -17,6 +18,7 @@ asserts on them; ``python -m loadtests.reliability`` writes them to the docs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 import time
@@ -120,13 +122,23 @@ def redis_restart(stage: str, log_dir: Path, phase_s: float = 3.0, workers: int 
 
 
 # --- SIGTERM: drain what was admitted -----------------------------------------------------
-def sigterm_drain(stage: str, log_dir: Path, burst: int = 12, texts_per_request: int = 24) -> dict[str, Any]:
+def sigterm_drain(
+    stage: str, log_dir: Path, burst: int = 12, texts_per_request: int = 24, redis_dies: bool = False
+) -> dict[str, Any]:
+    """SIGTERM with ``burst`` requests admitted; with ``redis_dies``, two faults at once: the
+    server has a Redis tier, the texts are new (each answer is written to Redis after the model),
+    and Redis is SIGKILLed right after the SIGTERM, while the drain is writing to it."""
     rng = random.Random(902)
     bodies = [
-        {"inputs": [corpus.passage(rng) for _ in range(texts_per_request)], "cache": False}
+        {"inputs": [corpus.passage(rng) for _ in range(texts_per_request)], "cache": redis_dies}
         for _ in range(burst)
     ]
-    with stage_process(stage, log_dir, {"DRAIN_TIMEOUT_S": "120"}) as server:
+    with contextlib.ExitStack() as stack:
+        env = {"DRAIN_TIMEOUT_S": "120"}
+        redis = stack.enter_context(redis_server()) if redis_dies else None
+        if redis is not None:
+            env["CACHE_URL"] = redis.url
+        server = stack.enter_context(stage_process(stage, log_dir, env))
 
         async def run() -> dict[str, Any]:
             headers = {"x-request-timeout": "300"}
@@ -139,8 +151,10 @@ def sigterm_drain(stage: str, log_dir: Path, burst: int = 12, texts_per_request:
                 admitted = await _wait_for_active(client, burst)
                 signalled = time.monotonic()
                 server.signal(signal.SIGTERM)
-                after = await _probe_after_signal(server.url, probes=5)
                 # --8<-- [end:gate]
+                if redis is not None:
+                    await asyncio.to_thread(redis.stop)  # SIGKILL, mid-drain
+                after = await _probe_after_signal(server.url, probes=5)
                 answers = await asyncio.gather(*tasks, return_exceptions=True)
             ok = [a for a in answers if isinstance(a, httpx.Response) and a.status_code == 200]
             exit_code = await asyncio.to_thread(server.wait, 180)
@@ -159,7 +173,10 @@ def sigterm_drain(stage: str, log_dir: Path, burst: int = 12, texts_per_request:
         "stage": stage,
         "burst": burst,
         "texts_per_request": texts_per_request,
+        "redis_killed_during_drain": redis_dies,
         **result,
+        # The cache tier logs its first failure: proof the drain met the dead Redis.
+        "redis_failure_logged": "redis cache connection" in log,
         "traceback_in_log": "Traceback" in log,
     }
 

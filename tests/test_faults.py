@@ -42,6 +42,18 @@ def test_sigterm_loses_no_admitted_request(stage: str, tmp_path: Path) -> None:
     assert not result["traceback_in_log"]
 
 
+def test_sigterm_drain_survives_redis_dying_mid_drain(tmp_path: Path) -> None:
+    """Two faults at once: SIGTERM with requests admitted, then Redis SIGKILLed while the drain
+    writes their answers to it. The writes fail open; every admitted request still gets its 200."""
+    result = faults.sigterm_drain("stage5_metrics", tmp_path, burst=8, texts_per_request=12, redis_dies=True)
+    assert result["redis_killed_during_drain"] and result["redis_failure_logged"], result
+    assert result["admitted_before_sigterm"] >= 8
+    assert result["lost"] == 0, result
+    assert set(result["after_sigterm"]) <= {"refused", "503"}, result
+    assert result["exit_code"] in (0, -15), result
+    assert not result["traceback_in_log"]
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_sigkill_and_restart_comes_back_warm(stage: str, tmp_path: Path) -> None:
     result = faults.sigkill_restart(stage, tmp_path, with_redis=True)
