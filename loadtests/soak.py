@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 import numpy as np
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from common import corpus
 from loadtests.procs import redis_server, stage_process
@@ -84,6 +85,15 @@ class Interval:
     # Both share the machine's cores: a client that needs more CPU slows the server it measures.
     server_cpu_pct: float = 0.0
     client_cpu_pct: float = 0.0
+    # Who else had the cores (percent of one core, like the two above): Redis, everything else on
+    # the machine (busy time not spent by server, client or Redis), and time the hypervisor
+    # gave to other machines (steal). A stall with "others" high is a neighbour's, not the server's.
+    redis_cpu_pct: float = 0.0
+    others_cpu_pct: float = 0.0
+    steal_pct: float = 0.0
+    # The server's own view, scraped from /metrics at the end of the interval.
+    queue_depth: float | None = None
+    redis_errors: float | None = None  # cumulative, every kind
 
 
 @dataclass
@@ -155,11 +165,50 @@ async def measure_capacity(
     return [n / width for n in done]
 
 
-async def soak(url: str, pid: int, result: SoakResult, seed: int = 7) -> None:
+class _Machine:
+    """CPU shares per interval: the server, the client, Redis, everyone else, and steal."""
+
+    def __init__(self, server_pid: int, redis_pid: int | None) -> None:
+        self.server, self.client = psutil.Process(server_pid), psutil.Process()
+        self.redis = psutil.Process(redis_pid) if redis_pid else None
+        self.cores = psutil.cpu_count() or 1
+        self.sample()  # start every counter
+
+    def sample(self) -> dict[str, float]:
+        server, client = self.server.cpu_percent(), self.client.cpu_percent()
+        redis = self.redis.cpu_percent() if self.redis is not None else 0.0
+        times = psutil.cpu_times_percent()
+        steal = getattr(times, "steal", 0.0)
+        busy = (100.0 - times.idle - getattr(times, "iowait", 0.0) - steal) * self.cores
+        return {
+            "server_cpu_pct": server,
+            "client_cpu_pct": client,
+            "redis_cpu_pct": redis,
+            "others_cpu_pct": round(max(busy - server - client - redis, 0.0), 1),
+            "steal_pct": round(steal * self.cores, 1),
+        }
+
+
+async def _server_view(client: httpx.AsyncClient) -> dict[str, float | None]:
+    """Queue depth and Redis errors from the server's /metrics (None if it did not answer)."""
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        return {"queue_depth": None, "redis_errors": None}
+    depth, errors = None, 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "embedserve_queue_depth_texts":
+            depth = family.samples[0].value
+        elif family.name == "embedserve_cache_errors":
+            errors += sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
+    return {"queue_depth": depth, "redis_errors": errors}
+
+
+async def soak(url: str, pid: int, result: SoakResult, seed: int = 7, redis_pid: int | None = None) -> None:
     """Open loop at ``result.target_rps`` for ``result.duration_s``, one ``Interval`` per interval."""
     traffic = _Traffic(seed)
-    server, client_process = psutil.Process(pid), psutil.Process()
-    server.cpu_percent(), client_process.cpu_percent()  # start both CPU counters
+    machine = _Machine(pid, redis_pid)
+    server = machine.server
     latencies: list[float] = []
     errors = 0
     hits = misses = 0
@@ -193,7 +242,11 @@ async def soak(url: str, pid: int, result: SoakResult, seed: int = 7) -> None:
         max_connections=MAX_IN_FLIGHT, max_keepalive_connections=MAX_IN_FLIGHT, keepalive_expiry=2.0
     )
     ramp_s = result.warmup_s / 2
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+    # /metrics on a client of its own: never waiting behind the load for a connection.
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client,
+        httpx.AsyncClient(base_url=url, timeout=2) as metrics_client,
+    ):
         began = time.monotonic()
         next_sample = began + result.interval_s
         due = began
@@ -212,10 +265,10 @@ async def soak(url: str, pid: int, result: SoakResult, seed: int = 7) -> None:
                         p95_ms=_pct(latencies, 95),
                         p99_ms=_pct(latencies, 99),
                         rss_mib=round(server.memory_info().rss / 2**20, 1),
-                        server_cpu_pct=server.cpu_percent(),
-                        client_cpu_pct=client_process.cpu_percent(),
                         cache_hit_share=round(hits / (hits + misses), 3) if hits + misses else None,
                         in_flight=in_flight,
+                        **machine.sample(),
+                        **await _server_view(metrics_client),
                     )
                 )
                 latencies, errors, hits, misses, sent_in_interval = [], 0, 0, 0, 0
@@ -300,7 +353,8 @@ def run(
                 capacity_windows_rps=[round(c, 2) for c in capacity_windows],
             )
             result.load_average["before"] = [round(x, 2) for x in os.getloadavg()]
-            asyncio.run(soak(server.url, server.pid, result))
+            redis_pid = redis.process.pid if redis.process is not None else None
+            asyncio.run(soak(server.url, server.pid, result, redis_pid=redis_pid))
             result.load_average["after"] = [round(x, 2) for x in os.getloadavg()]
     result.verdict = judge(result)
     return result
