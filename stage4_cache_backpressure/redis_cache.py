@@ -4,6 +4,12 @@ One connection pool for the process (opened in ``start``, closed in ``close``, b
 from the app's lifespan), MGET for lookups, one pipeline of ``SET EX`` for writes. A Redis
 that is down, slow (CACHE_TIMEOUT_MS) or returns garbage costs a miss, a counted error and at
 most one log line per interval; the tier backs off briefly and then recovers by itself.
+
+A refused or reset connection backs off at once: Redis is down. A single timeout does not:
+the timeout is wall-clock time on the event loop, so when the server itself is busy, a reply
+that arrived in time can be read late. Backing off then would turn the hot texts into model
+work just when the server has least to spare; only ``timeouts_before_backoff`` timeouts in a
+row (no success between them) mean Redis is slow.
 """
 
 from __future__ import annotations
@@ -41,12 +47,15 @@ class RedisCache:
         *,
         max_connections: int = 32,
         backoff_s: float = 1.0,
+        timeouts_before_backoff: int = 3,
         log_interval_s: float = 10.0,
     ) -> None:
         self.url, self.ttl_s, self.timeout_s = url, ttl_s, timeout_ms / 1e3
         self.value_bytes, self.stats = value_bytes, stats
         self.max_connections = max_connections
         self.backoff_s, self.log_interval_s = backoff_s, log_interval_s
+        self.timeouts_before_backoff = timeouts_before_backoff
+        self._timeouts_in_a_row = 0
         self.client: aioredis.Redis | None = None
         self._down_until = 0.0  # after an error, skip Redis for backoff_s instead of paying the timeout
         self._failures_unlogged = 0
@@ -120,7 +129,12 @@ class RedisCache:
     async def _failed(self, exc: BaseException) -> None:
         kind = _kind(exc)
         self.stats.errors[kind] += 1
-        if kind != "garbage":
+        if kind == "timeout":
+            self._timeouts_in_a_row += 1
+            if self._timeouts_in_a_row >= self.timeouts_before_backoff:
+                self._down_until = time.monotonic() + self.backoff_s
+                self._timeouts_in_a_row = 0
+        elif kind != "garbage":  # the connection failed: Redis is down or restarting
             self._down_until = time.monotonic() + self.backoff_s
             if self.client is not None:  # idle connections may be dead too: reconnect them all later
                 with contextlib.suppress(Exception):
@@ -140,6 +154,7 @@ class RedisCache:
             self._last_log, self._failures_unlogged = now, 0
 
     def _recovered(self) -> None:
+        self._timeouts_in_a_row = 0
         if self._failing:
             self._failing = False
             log.warning("redis cache is answering again")
