@@ -319,7 +319,13 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _install_routes(app: FastAPI, settings: Settings) -> None:
     # --8<-- [start:run_job]
     async def run_job(
-        request: Request, texts: list[str], param: str, normalize: bool, truncate: bool, cache: bool
+        request: Request,
+        started: float,
+        texts: list[str],
+        param: str,
+        normalize: bool,
+        truncate: bool,
+        cache: bool,
     ) -> tuple[EmbedJob, EmbedResult]:
         """Validate, tokenize, hand to the stage's backend: the part every stage shares."""
         if not request.app.state.ready:
@@ -337,7 +343,11 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
             deadline=_deadline(request, settings),
             request=request,
         )
-        result = await request.app.state.backend.embed(job)
+        try:
+            result = await request.app.state.backend.embed(job)
+        except APIError as exc:  # a refusal says how long it took too (a 503 should be fast)
+            exc.headers["x-total-time"] = f"{(time.perf_counter() - started) * 1e3:.2f}"
+            raise
         if result.vectors.shape[0] != len(texts):  # never hand a caller someone else's vectors
             raise APIError(500, f"backend returned {result.vectors.shape[0]} vectors for {len(texts)} texts")
         return job, result
@@ -358,7 +368,9 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         started = time.perf_counter()
         body = await read_body(request, EmbedRequest)
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        job, result = await run_job(request, texts, "inputs", body.normalize, body.truncate, body.cache)
+        job, result = await run_job(
+            request, started, texts, "inputs", body.normalize, body.truncate, body.cache
+        )
         engine: Engine = request.app.state.engine
         payload = {
             "embeddings": result.vectors,
@@ -396,7 +408,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
                 param="dimensions",
             )
         texts = [body.input] if isinstance(body.input, str) else body.input
-        job, result = await run_job(request, texts, "input", True, True, True)
+        job, result = await run_job(request, started, texts, "input", True, True, True)
         vectors: Any = result.vectors  # orjson writes a (n, 384) float32 array row by row
         if body.encoding_format == "base64":
             vectors = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in result.vectors]

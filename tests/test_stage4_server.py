@@ -197,8 +197,12 @@ def test_overload_fast_503s_correct_200s_no_500_and_healthy_after(
             assert int(response.headers["Retry-After"]) >= 1
             assert response.json()["error"]["type"] == "overloaded_error"
         _agree(engine, [t for t, _ in ok], [r.json()["embeddings"][0] for _, r in ok])
-        served_latency = np.median([lat for s, lat, _ in results if s == 200])
-        assert np.median([lat for lat, _ in refused]) < served_latency  # a 503 is a fast answer
+        # A 503 is a fast answer: decided at the door, before any model work. Compared by the
+        # server's own x-total-time: the client's clock also counts 200 connections queueing
+        # in the kernel and the event loop, which refused and served requests share alike.
+        served_ms = np.median([float(r.headers["x-total-time"]) for _, r in ok])
+        refused_ms = np.median([float(r.headers["x-total-time"]) for _, r in refused])
+        assert refused_ms < served_ms, (refused_ms, served_ms)
         assert server.process.poll() is None
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         assert _embed(url, _new(1)).status_code == 200
