@@ -23,7 +23,7 @@ def plot(result: SoakResult, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     t = [iv.t for iv in result.intervals]
-    fig, (lat, rss, rate) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    fig, (lat, rss, rate, cpu) = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
     for key, style in (("p50_ms", "-"), ("p95_ms", "--"), ("p99_ms", ":")):
         lat.plot(t, [getattr(iv, key) for iv in result.intervals], style, label=key.removesuffix("_ms"))
     lat.set_ylabel("latency (ms)")
@@ -33,9 +33,20 @@ def plot(result: SoakResult, path: Path) -> None:
     rate.plot(t, [iv.requests / result.interval_s for iv in result.intervals], label="answered / s")
     rate.plot(t, [iv.errors for iv in result.intervals], color="tab:red", label="errors")
     rate.set_ylabel("requests")
-    rate.set_xlabel("seconds")
     rate.legend(loc="upper right")
-    for ax in (lat, rss, rate):
+    # Who had the cores: a stall with "other processes" up is a neighbour's, not the server's.
+    for key, label in (
+        ("server_cpu_pct", "server"),
+        ("client_cpu_pct", "load client"),
+        ("redis_cpu_pct", "Redis"),
+        ("others_cpu_pct", "other processes"),
+        ("steal_pct", "steal"),
+    ):
+        cpu.plot(t, [getattr(iv, key) for iv in result.intervals], label=label)
+    cpu.set_ylabel("CPU (% of one core)")
+    cpu.set_xlabel("seconds")
+    cpu.legend(loc="upper right", fontsize="small", ncol=5)
+    for ax in (lat, rss, rate, cpu):
         ax.axvspan(0, result.warmup_s, color="0.9")
         ax.grid(alpha=0.3)
     verdict = "PASS" if result.passed else "FAIL"
@@ -83,5 +94,52 @@ def markdown(payload: dict[str, Any]) -> str:
             f"| {yes[v['passed']]} |",
             "<!-- --8<-- [end:verdict] -->",
             "",
+            *_cores(payload),
         ]
     )
+
+
+def _cores(payload: dict[str, Any]) -> list[str]:
+    """Who had the cores after warm-up (percent of one core; the machine has ``cores`` of them),
+    and what the server itself saw: its queue and its Redis errors."""
+    steady = [iv for iv in payload["intervals"] if iv["t"] > payload["warmup_s"]]
+
+    def med(key: str) -> str:
+        values = sorted(iv.get(key, 0.0) for iv in steady)
+        return f"{values[len(values) // 2]:g}"
+
+    def top(key: str) -> str:
+        return f"{max((iv.get(key) or 0.0) for iv in steady):g}"
+
+    redis_errors = max((iv.get("redis_errors") or 0.0) for iv in payload["intervals"])
+    return [
+        "<!-- --8<-- [start:cores] -->",
+        "| after warm-up, per 10 s | server CPU | client CPU | Redis CPU | other processes | steal "
+        "| server queue (texts) | Redis errors (whole run) |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| median | {med('server_cpu_pct')}% | {med('client_cpu_pct')}% | {med('redis_cpu_pct')}% "
+        f"| {med('others_cpu_pct')}% | {med('steal_pct')}% | {med('queue_depth')} | {redis_errors:g} |",
+        f"| highest | {top('server_cpu_pct')}% | {top('client_cpu_pct')}% | {top('redis_cpu_pct')}% "
+        f"| {top('others_cpu_pct')}% | {top('steal_pct')}% | {top('queue_depth')} | |",
+        "<!-- --8<-- [end:cores] -->",
+        "",
+    ]
+
+
+def redraw(out: Path, plot_path: Path) -> None:
+    """Rewrite the Markdown and the plot from a soak's JSON, without running it again."""
+    from loadtests.soak import Interval, SoakResult
+
+    payload = json.loads(out.read_text())
+    out.with_suffix(".md").write_text(markdown(payload))
+    fields = {name for name in SoakResult.__dataclass_fields__}
+    result = SoakResult(**{k: v for k, v in payload.items() if k in fields and k != "intervals"})
+    known = set(Interval.__dataclass_fields__)
+    result.intervals = [Interval(**{k: v for k, v in iv.items() if k in known}) for iv in payload["intervals"]]
+    plot(result, plot_path)
+
+
+if __name__ == "__main__":  # python -m loadtests.soak_report docs/results/soak.json docs/img/soak.png
+    import sys
+
+    redraw(Path(sys.argv[1]), Path(sys.argv[2]))
