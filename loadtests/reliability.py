@@ -11,6 +11,7 @@ The Markdown file holds the tables ``docs/reliability.md`` includes by snippet.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import signal
 import sys
@@ -25,13 +26,14 @@ import psutil
 
 from common.machine import machine_info
 from common.serve import available_stages
-from loadtests import faults
+from loadtests import faults, slowclients
 from loadtests.badinput import MB, cases, send, send_huge
 from loadtests.fuzz import fuzz_server
 from loadtests.procs import stage_process
 
 REPO = Path(__file__).resolve().parent.parent
 FAULT_STAGES = ("stage4_cache_backpressure", "stage5_metrics")
+BODY_TIMEOUT_S = 2.0  # shorter than the default 15 s, so the slow-client scenario takes seconds
 
 
 def _peak_rss_during(pid: int, action: Any) -> tuple[Any, float]:
@@ -60,7 +62,11 @@ def inputs_for_stage(stage: str, log_dir: Path, examples: int) -> dict[str, Any]
     statuses: Counter[str] = Counter()
     answers: dict[str, int] = {}
     unexpected: list[str] = []
-    with stage_process(stage, log_dir) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+    env = {"BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)}
+    with (
+        stage_process(stage, log_dir, env) as server,
+        httpx.Client(base_url=server.url, timeout=120) as client,
+    ):
         for case in cases():
             r = send(client, case)
             statuses[str(r.status_code)] += 1
@@ -75,6 +81,7 @@ def inputs_for_stage(stage: str, log_dir: Path, examples: int) -> dict[str, Any]
                 "sent_mib": round(result.sent_bytes / MB, 1),
                 "rss_growth_mib": round(grew, 1),
             }
+        slow = asyncio.run(slowclients.run(server.url))
         fuzz = fuzz_server(server.url, examples)
         alive = client.get("/health").status_code == 200
         tracebacks = server.log().count("Traceback")
@@ -88,6 +95,18 @@ def inputs_for_stage(stage: str, log_dir: Path, examples: int) -> dict[str, Any]
             "server_errors": sum(n for s, n in statuses.items() if s.startswith("5")),
         },
         "body_100_mib": huge,
+        "slow_clients": {
+            "body_timeout_s": BODY_TIMEOUT_S,
+            "slow_bodies": slow.slow_bodies,
+            "body_statuses": slow.body_statuses,
+            "body_answered_after_s": [round(min(slow.body_answer_s), 2), round(max(slow.body_answer_s), 2)],
+            "slow_headers": slow.slow_headers,
+            "headers_still_open": slow.headers_still_open,
+            "ordinary": slow.ordinary,
+            "ordinary_ok": slow.ordinary_ok,
+            "ordinary_p50_ms": slow.ordinary_p50_ms,
+            "baseline_p50_ms": slow.baseline_p50_ms,
+        },
         "fuzz": {
             "examples_per_operation": examples,
             "requests": fuzz.total_requests,
@@ -107,9 +126,12 @@ def run(examples: int, log_dir: Path) -> dict[str, Any]:
     injected = {
         "redis_kill_restart": [faults.redis_restart(s, log_dir) for s in fault_stages],
         "sigterm": [faults.sigterm_drain(s, log_dir) for s in fault_stages],
+        "sigterm_redis_dies": [faults.sigterm_drain(s, log_dir, redis_dies=True) for s in fault_stages],
         "sigkill_restart": [faults.sigkill_restart(s, log_dir, with_redis=True) for s in fault_stages],
     }
-    tried = sum(i["catalogue"]["cases"] + 2 + i["fuzz"]["requests"] for i in inputs)
+    tried = sum(
+        i["catalogue"]["cases"] + 2 + i["fuzz"]["requests"] + i["slow_clients"]["slow_bodies"] for i in inputs
+    )
     server_errors = sum(
         i["catalogue"]["server_errors"]
         + sum(n for s, n in i["fuzz"]["statuses"].items() if s.startswith("5"))
@@ -117,14 +139,18 @@ def run(examples: int, log_dir: Path) -> dict[str, Any]:
     )
     # SIGKILL loses what was in flight by definition; what counts there is coming back (ready, warm).
     lost = sum(r["failed"] for r in injected["redis_kill_restart"]) + sum(
-        r["lost"] for r in injected["sigterm"]
+        r["lost"] for r in injected["sigterm"] + injected["sigterm_redis_dies"]
     )
     summary = {
         "stages": stages,
         "inputs_tried": tried,
         "server_errors": server_errors,
         "unexpected_answers": sum(
-            len(i["catalogue"]["unexpected"]) + len(i["fuzz"]["failures"]) for i in inputs
+            len(i["catalogue"]["unexpected"])
+            + len(i["fuzz"]["failures"])
+            + (i["slow_clients"]["ordinary"] - i["slow_clients"]["ordinary_ok"])
+            + (i["slow_clients"]["slow_bodies"] - i["slow_clients"]["body_statuses"].get("408", 0))
+            for i in inputs
         ),
         "faults_injected": sum(len(v) for v in injected.values()),
         "requests_lost": lost,
@@ -173,6 +199,22 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "<!-- --8<-- [end:inputs] -->",
         "",
+        "<!-- --8<-- [start:slow] -->",
+        "| stage | slow bodies: answers (after) | slow headers still open | "
+        "ordinary requests meanwhile: 200s | their p50 (alone) |",
+        "|---|---|---|---|---|",
+    ]
+    for i in report["inputs"]:
+        sc = i["slow_clients"]
+        answers = ", ".join(f"{n} x {status}" for status, n in sorted(sc["body_statuses"].items()))
+        first, last = sc["body_answered_after_s"]
+        still_open = f"{sc['headers_still_open']}/{sc['slow_headers']}"
+        ordinary = f"{sc['ordinary_ok']}/{sc['ordinary']}"
+        p50 = f"{sc['ordinary_p50_ms']} ms ({sc['baseline_p50_ms']} ms)"
+        lines.append(f"| {i['stage']} | {answers} ({first}-{last} s) | {still_open} | {ordinary} | {p50} |")
+    lines += [
+        "<!-- --8<-- [end:slow] -->",
+        "",
         "<!-- --8<-- [start:faults] -->",
         "| fault | stage | requests under the fault | failed or lost | notes |",
         "|---|---|---|---|---|",
@@ -190,6 +232,12 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| SIGTERM with {r['burst']} requests admitted | {r['stage']} | {r['burst']} "
             f"| {r['lost']} | drained in {r['drain_seconds']} s; later requests: {after} |"
+        )
+    for r in f["sigterm_redis_dies"]:
+        lines.append(
+            f"| SIGTERM with {r['burst']} requests admitted, then Redis SIGKILLed mid-drain | {r['stage']} "
+            f"| {r['burst']} | {r['lost']} | drained in {r['drain_seconds']} s; answers' Redis writes "
+            "failed open |"
         )
     for r in f["sigkill_restart"]:
         lines.append(

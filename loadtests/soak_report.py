@@ -132,10 +132,12 @@ def redraw(out: Path, plot_path: Path) -> None:
 
     payload = json.loads(out.read_text())
     out.with_suffix(".md").write_text(markdown(payload))
-    fields = {name for name in SoakResult.__dataclass_fields__}
-    result = SoakResult(**{k: v for k, v in payload.items() if k in fields and k != "intervals"})
+    fields = set(SoakResult.__dataclass_fields__) - {"intervals"}
+    result = SoakResult(**{k: v for k, v in payload.items() if k in fields})
     known = set(Interval.__dataclass_fields__)
-    result.intervals = [Interval(**{k: v for k, v in iv.items() if k in known}) for iv in payload["intervals"]]
+    result.intervals = [
+        Interval(**{k: v for k, v in iv.items() if k in known}) for iv in payload["intervals"]
+    ]
     plot(result, plot_path)
 
 
