@@ -236,8 +236,12 @@ def markdown(report: dict[str, Any]) -> str:
     for r in f["sigterm_redis_dies"]:
         lines.append(
             f"| SIGTERM with {r['burst']} requests admitted, then Redis SIGKILLed mid-drain | {r['stage']} "
-            f"| {r['burst']} | {r['lost']} | drained in {r['drain_seconds']} s; answers' Redis writes "
-            "failed open |"
+            f"| {r['burst']} | {r['lost']} | drained in {r['drain_seconds']} s; "
+            + (
+                "the tier logged the dead Redis and failed open |"
+                if r["redis_failure_logged"]
+                else "no Redis failure seen |"
+            )
         )
     for r in f["sigkill_restart"]:
         lines.append(
