@@ -49,11 +49,16 @@ def check_answer(response: httpx.Response, case: Case, engine: Engine) -> None:
     got = np.asarray(got, dtype=np.float32)
     want = engine.embed(list(case.texts)).vectors
     assert got.shape == want.shape
-    # Dynamic INT8 rescales activations per batch, so a batched text moves a little (never
-    # below 0.97, tests/test_engine.py); it must still be nearest its own text's vector.
+    # Dynamic INT8 rescales activations per batch, so a batched (or cached, from another batch)
+    # text moves a little: never below 0.97 for real text (tests/test_engine.py). A text with no
+    # content tokens at all (NUL, zero-width, whitespace: [CLS] [SEP] only) moves most, down to
+    # 0.963 beside a long batch-mate (found by `make fuzz`); 0.95 for those. Every vector must
+    # still be nearest its own text's.
     cosines = got @ want.T
     own = np.diag(cosines)
-    assert own.min() >= 0.97, f"{case.name}: vectors differ from the engine's (cosine {own.min():.4f})"
+    empty = np.array([len(t.ids) <= 2 for t in engine.tokenize(list(case.texts))])
+    floor = np.where(empty, 0.95, 0.97)
+    assert (own >= floor).all(), f"{case.name}: vectors differ from the engine's (cosines {own.round(4)})"
     assert (own >= cosines.max(axis=1) - 0.01).all(), f"{case.name}: a vector is nearer another text's"
 
 
