@@ -256,15 +256,20 @@ def create_app(
     make_backend: BackendFactory,
     settings: Settings | None = None,
     description: str = "",
+    calls_at_once: Callable[[Settings], int] = lambda settings: 1,
 ) -> FastAPI:
-    """A FastAPI app serving the contract, with ``make_backend`` deciding how the model runs."""
+    """A FastAPI app serving the contract, with ``make_backend`` deciding how the model runs.
+
+    ``calls_at_once``: how many model calls the backend runs side by side (the engine shares
+    the cores out among them when ONNX_INTRA_THREADS=0).
+    """
 
     settings = settings or get_settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The model loads here, never at import time, and warms up before /ready says yes.
-        engine = await run_in_threadpool(Engine.from_settings, settings)
+        engine = await run_in_threadpool(Engine.from_settings, settings, calls_at_once(settings))
         await run_in_threadpool(engine.warmup)
         backend = make_backend(engine, settings)
         if hasattr(backend, "start"):

@@ -12,6 +12,7 @@ Two halves, so a batcher can sit between them:
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,20 @@ class EmbedOutput:
     truncated: list[bool]
     n_tokens: list[int]
     timings: dict[str, float] = field(default_factory=dict)
+
+
+def intra_threads_for(calls_at_once: int) -> int:
+    """Intra-op threads per call when ``calls_at_once`` model calls run side by side.
+
+    One call at a time: 0, ONNX Runtime's own default (a thread per physical core). Several:
+    the cores this process may use, shared out, at least one each. On 2 cores two calls of one
+    thread each do more texts per second than one call of two threads, at every batch size
+    measured (docs/stage2.md): a transformer this small does not split well across threads.
+    """
+    if calls_at_once <= 1:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // calls_at_once)
 
 
 def load_manifest(model_dir: Path) -> dict[str, Any]:
@@ -107,11 +122,13 @@ class Engine:
         self._input_names = {i.name for i in self.session.get_inputs()}
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Engine:
+    def from_settings(cls, settings: Settings, calls_at_once: int = 1) -> Engine:
+        """The engine as ``settings`` describe it, for a server that runs ``calls_at_once`` model
+        calls side by side: with ONNX_INTRA_THREADS=0 the cores are shared out among them."""
         return cls(
             settings.model_dir,
             variant=settings.model_variant,
-            intra_threads=settings.onnx_intra_threads,
+            intra_threads=settings.onnx_intra_threads or intra_threads_for(calls_at_once),
             spinning=settings.onnx_spinning,
         )
 

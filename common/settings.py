@@ -29,7 +29,10 @@ class Settings(BaseSettings):
         "int8", description="Which ONNX file to serve; `int8` is the mode the build chose."
     )
     onnx_intra_threads: int = Field(
-        0, ge=0, description="ONNX Runtime intra-op threads per call (0: one per core)."
+        0,
+        ge=0,
+        description="ONNX Runtime intra-op threads per call (0: the cores shared out among the "
+        "model calls that run at once: WORKER_THREADS in stage 2, BATCH_CONCURRENCY in 3-5).",
     )
     onnx_spinning: bool = Field(
         False,
@@ -50,15 +53,26 @@ class Settings(BaseSettings):
     )
 
     # --- stage 2: thread pool ---------------------------------------------
-    worker_threads: int = Field(1, ge=1, description="Threads that run the model (stage 2).")
+    worker_threads: int = Field(
+        2, ge=1, description="Threads that run the model at once (stage 2; measured in its chapter)."
+    )
 
     # --- stage 3: dynamic batching -----------------------------------------
     max_batch_size: int = Field(32, ge=1, description="Most texts in one model call.")
+    batch_concurrency: int = Field(
+        2,
+        ge=1,
+        description="Batches in the model at once (stages 3-5); with ONNX_INTRA_THREADS=0 each "
+        "gets the cores divided by this (measured in the stage 3 chapter).",
+    )
     max_batch_tokens: int = Field(
         8192, ge=1, description="Most padded tokens (rows x longest row) in one model call."
     )
     batch_window_ms: float = Field(
-        2.0, ge=0, description="How long a MEDIUM/HIGH-tier batch waits to fill up."
+        0.0,
+        ge=0,
+        description="How long a MEDIUM/HIGH-tier batch waits to fill up (0: no wait; a busy model "
+        "slot fills the next batch, measured in the stage 3 chapter).",
     )
     batch_low_threshold: int = Field(
         3, ge=1, description="Below this many queued texts a batch goes at once (LOW tier)."

@@ -15,6 +15,7 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -36,25 +37,59 @@ CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 # --8<-- [start:ceiling]
-def engine_ceiling(kinds: Sequence[str], seconds: float) -> dict[str, Any]:
-    """Texts per second of the engine alone (tokenize + model + normalize), at its best batch size."""
-    engine = Engine.from_settings(Settings())  # same settings, same threads as the servers
-    engine.warmup()
+def engine_ceiling(kinds: Sequence[str], seconds: float, layouts: Sequence[int] = (1, 2)) -> dict[str, Any]:
+    """Texts per second of the engine alone (tokenize + model + normalize), at its best.
+
+    Best over batch sizes and over layouts: one call at a time with the cores' threads, or
+    ``n`` calls side by side from ``n`` threads with the cores shared out among them (what
+    stage 2's WORKER_THREADS and the batcher's BATCH_CONCURRENCY do). On 2 cores two
+    one-thread calls beat one two-thread call, so a ceiling that tried only one call at a
+    time would be one the servers can pass.
+    """
     out: dict[str, Any] = {}
     for kind in kinds:
         texts = corpus.texts(2048, seed=CEILING_SEED, kind=kind)
-        by_batch: dict[str, float] = {}
-        for batch in CEILING_BATCHES:
-            done, i, start = 0, 0, time.perf_counter()
-            while time.perf_counter() - start < seconds or done == 0:
-                chunk = texts[i : i + batch] if i + batch <= len(texts) else texts[:batch]
-                i = (i + batch) % len(texts)
-                engine.embed(chunk)
-                done += len(chunk)
-            by_batch[str(batch)] = done / (time.perf_counter() - start)
-        best = max(by_batch, key=lambda b: by_batch[b])
-        out[kind] = {"texts_per_s": by_batch[best], "best_batch": int(best), "by_batch": by_batch}
+        by_layout: dict[str, dict[str, float]] = {}
+        for calls in layouts:
+            engine = Engine.from_settings(Settings(), calls_at_once=calls)  # the servers' threads
+            engine.warmup()
+            by_layout[str(calls)] = {
+                str(batch): _texts_per_s(engine, texts, batch, calls, seconds) for batch in CEILING_BATCHES
+            }
+        best_calls, best_batch = max(
+            ((c, b) for c, rates in by_layout.items() for b in rates), key=lambda cb: by_layout[cb[0]][cb[1]]
+        )
+        out[kind] = {
+            "texts_per_s": by_layout[best_calls][best_batch],
+            "best_batch": int(best_batch),
+            "best_calls_at_once": int(best_calls),
+            "by_batch": by_layout[best_calls],
+            "by_layout": by_layout,
+        }
     return out
+
+
+def _texts_per_s(engine: Engine, texts: list[str], batch: int, calls: int, seconds: float) -> float:
+    """``calls`` threads embedding batches of ``batch`` texts for ``seconds``; texts per second."""
+    done = [0] * calls
+
+    def work(worker: int) -> None:
+        i = worker * batch
+        while time.perf_counter() < end or done[worker] == 0:
+            start_at = i % len(texts)
+            chunk = texts[start_at : start_at + batch] if start_at + batch <= len(texts) else texts[:batch]
+            engine.embed(chunk)
+            done[worker] += len(chunk)
+            i += calls * batch
+
+    start = time.perf_counter()
+    end = start + seconds
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(done) / (time.perf_counter() - start)
 
 
 # --8<-- [end:ceiling]
@@ -189,7 +224,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ceiling = engine_ceiling(sorted({p.text_kind for p in profiles}), args.ceiling_seconds)
     for kind, c in ceiling.items():
         print(
-            f"engine ceiling ({kind}): {c['texts_per_s']:.1f} texts/s at batch {c['best_batch']}", flush=True
+            f"engine ceiling ({kind}): {c['texts_per_s']:.1f} texts/s at batch {c['best_batch']}, "
+            f"{c['best_calls_at_once']} call(s) at once",
+            flush=True,
         )
 
     result = {

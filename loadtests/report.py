@@ -74,10 +74,10 @@ def markdown(result: dict[str, Any]) -> str:
     lines += _section("machine", machine)
 
     ceiling = [
-        "| texts | engine alone, texts/s | best batch |",
-        "|---|---:|---:|",
+        "| texts | engine alone, texts/s | best batch | calls side by side |",
+        "|---|---:|---:|---:|",
         *(
-            f"| {kind} | {c['texts_per_s']:.1f} | {c['best_batch']} |"
+            f"| {kind} | {c['texts_per_s']:.1f} | {c['best_batch']} | {c.get('best_calls_at_once', 1)} |"
             for kind, c in result["engine_ceiling"].items()
         ),
     ]

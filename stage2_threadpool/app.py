@@ -52,4 +52,6 @@ def make_backend(engine: Engine, settings: Settings) -> ThreadPoolBackend:
     return ThreadPoolBackend(engine, settings.worker_threads)
 
 
-app = create_app("stage2_threadpool", make_backend, description=__doc__ or "")
+app = create_app(
+    "stage2_threadpool", make_backend, description=__doc__ or "", calls_at_once=lambda s: s.worker_threads
+)

@@ -90,5 +90,7 @@ def add_batcher_routes(app: FastAPI) -> None:
 # --8<-- [end:routes]
 
 
-app = create_app("stage3_batching", make_backend, description=__doc__ or "")
+app = create_app(
+    "stage3_batching", make_backend, description=__doc__ or "", calls_at_once=lambda s: s.batch_concurrency
+)
 add_batcher_routes(app)

@@ -1,8 +1,10 @@
 """Dynamic batching: many requests' texts, one model call.
 
 Each request puts its texts in one queue (``batch_queue.py``) with one future and awaits
-it. One background task takes batches from the queue, runs the model in one executor
-thread (the model call gets the cores, the event loop stays free) and resolves the futures.
+it. One background task takes batches from the queue and runs each in an executor thread
+(the event loop stays free), up to BATCH_CONCURRENCY batches at once, and resolves the
+futures. The next batch is formed only when a model slot is free, so texts that arrive
+while every slot is busy make the next batch fuller instead of waiting in a second line.
 
 * Tiers: below BATCH_LOW_THRESHOLD queued texts a batch goes at once; at MEDIUM and
   HIGH depth it waits up to BATCH_WINDOW_MS (from the oldest text's arrival) to fill.
@@ -110,9 +112,10 @@ class Batcher:
         return "medium" if depth < self.settings.batch_high_threshold else "high"
 
     async def start(self) -> None:
-        # One thread: batches never run side by side, each call gets every core.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batcher")
-        self._task = asyncio.create_task(self._loop(), name="batcher")
+        # A thread per model slot: BATCH_CONCURRENCY batches side by side, no more.
+        slots = self.settings.batch_concurrency
+        self._pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="batcher")
+        self._task = asyncio.create_task(self._loop(asyncio.Semaphore(slots)), name="batcher")
 
     async def close(self) -> None:
         """Finish everything already queued, then stop."""
@@ -126,20 +129,38 @@ class Batcher:
             self._pool.shutdown(wait=True)
 
     # --8<-- [start:loop]
-    async def _loop(self) -> None:
+    async def _loop(self, slots: asyncio.Semaphore) -> None:
+        running: set[asyncio.Task[None]] = set()
         while True:
             batch: list[QueuedText] = []
             try:
+                await slots.acquire()  # a free model slot first; meanwhile the queue fills
                 tier = await self._wait_for_batch()
-                if tier is None:
-                    return  # closing, and nothing is left
+                if tier is None:  # closing, and nothing is left: let the running batches finish
+                    slots.release()
+                    await asyncio.gather(*running)
+                    return
                 batch = self._queue.take()
-                if batch:
-                    await self._run_batch(batch, tier)
+                if not batch:
+                    slots.release()
+                    continue
+                task = asyncio.create_task(self._run_in_slot(batch, tier, slots))
+                running.add(task)
+                task.add_done_callback(running.discard)
             except Exception as exc:  # never die: answer this batch's callers, keep serving
                 log.exception("batcher loop error")
                 for entry in batch:
                     entry.req.fail(exc)
+
+    async def _run_in_slot(self, batch: list[QueuedText], tier: str, slots: asyncio.Semaphore) -> None:
+        try:
+            await self._run_batch(batch, tier)
+        except Exception as exc:  # answer this batch's callers; the loop keeps serving
+            log.exception("batcher loop error")
+            for entry in batch:
+                entry.req.fail(exc)
+        finally:
+            slots.release()
 
     async def _wait_for_batch(self) -> str | None:
         """Wait for a first text; at MEDIUM/HIGH depth, wait up to the window for a full batch."""
@@ -172,13 +193,13 @@ class Batcher:
     # --8<-- [start:run]
     async def _run_batch(self, batch: list[QueuedText], tier: str) -> None:
         started = time.perf_counter()
-        self._in_flight = 1
-        try:  # NEW: the model runs in the one executor thread; the event loop keeps serving
+        self._in_flight += 1
+        try:  # NEW: the model runs in an executor thread; the event loop keeps serving
             done = await asyncio.get_running_loop().run_in_executor(
                 self._pool, self._compute, [t.ids for t in batch], [id(t.req) for t in batch]
             )
         finally:
-            self._in_flight = 0
+            self._in_flight -= 1
         record = BatchRecord(
             size=len(batch),
             padded_tokens=done.padded_tokens,

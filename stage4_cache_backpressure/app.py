@@ -295,6 +295,11 @@ def add_cache_routes(app: FastAPI) -> None:
 # --8<-- [end:routes]
 
 
-app = create_app("stage4_cache_backpressure", make_backend, description=__doc__ or "")
+app = create_app(
+    "stage4_cache_backpressure",
+    make_backend,
+    description=__doc__ or "",
+    calls_at_once=lambda s: s.batch_concurrency,
+)
 add_batcher_routes(app)
 add_cache_routes(app)

@@ -85,7 +85,13 @@ def build_app(settings: Settings | None = None) -> FastAPI:
     def make_backend(engine: Engine, s: Settings) -> MetricsBackend:
         return MetricsBackend(engine, s, telemetry, app)
 
-    app = create_app("stage5_metrics", make_backend, settings, description=__doc__ or "")
+    app = create_app(
+        "stage5_metrics",
+        make_backend,
+        settings,
+        description=__doc__ or "",
+        calls_at_once=lambda s: s.batch_concurrency,
+    )
     add_batcher_routes(app)
     add_cache_routes(app)
     add_telemetry_routes(app, telemetry)  # NEW: /metrics, /v1/metrics, /v1/dashboard, /dashboard

@@ -75,6 +75,7 @@ def make_settings(**overrides: Any) -> Settings:
         "group_window": 64,
         "split_by_length": False,
         "call_overhead_tokens": 32,
+        "batch_concurrency": 1,  # one model slot: these tests hold it to line batches up
     }
     return Settings(**{**base, **overrides})
 
@@ -212,6 +213,30 @@ async def test_a_text_over_the_token_budget_still_runs_alone(
     task = submit(batcher, 1, n_tokens=100)
     await done(task)
     assert markers(task.result()) == [1]
+    await batcher.close()
+
+
+async def test_two_slots_run_two_batches_side_by_side_and_the_queue_fills_meanwhile(
+    model: FakeModel, records: list[BatchRecord]
+) -> None:
+    """BATCH_CONCURRENCY=2: a second batch enters the model while the first is still in it;
+    texts that arrive while both slots are busy wait, and go together when a slot frees."""
+    batcher = await started(model, records, batch_concurrency=2, batch_low_threshold=1)
+    model.gate.clear()
+    first = submit(batcher, 1)
+    await model.wait_entered()
+    second = submit(batcher, 2)
+    await model.wait_entered()  # the second call started before the first finished
+    assert batcher.in_flight == 2
+    later = [submit(batcher, m) for m in (3, 4, 5)]
+    await asyncio.sleep(0.01)
+    assert batcher.queue_depth == 3  # both slots busy: they wait in the queue, together
+    model.gate.set()
+    await done(first, second, *later)
+    assert model.calls[:2] == [[1], [2]]
+    assert sorted(model.calls[2]) == [3, 4, 5]  # one batch once a slot was free
+    assert [markers(t.result()) for t in (first, second, *later)] == [[1], [2], [3], [4], [5]]
+    assert batcher.in_flight == 0 and batcher.queue_depth == 0
     await batcher.close()
 
 

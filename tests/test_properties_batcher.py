@@ -91,6 +91,7 @@ _settings = st.fixed_dictionaries(
         "max_batch_size": st.integers(1, 8),
         "max_batch_tokens": st.integers(12, 64),
         "batch_window_ms": st.sampled_from([0.0, 0.5, 2.0]),
+        "batch_concurrency": st.integers(1, 3),
         "batch_low_threshold": st.integers(1, 4),
         "batch_high_threshold": st.integers(4, 10),
         "group_by_length": st.booleans(),

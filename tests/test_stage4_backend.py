@@ -55,7 +55,8 @@ async def make(engine: Engine) -> AsyncIterator[Any]:
 
     async def factory(**settings: Any) -> tuple[CacheBackend, GatedEngine]:
         gated = GatedEngine(engine)
-        backend = CacheBackend(gated, Settings(**settings))  # type: ignore[arg-type]
+        # One model slot: these tests hold the gate to keep work queued behind one batch.
+        backend = CacheBackend(gated, Settings(**{"batch_concurrency": 1, **settings}))  # type: ignore[arg-type]
         await backend.start()
         started.append((backend, gated))
         return backend, gated
