@@ -29,10 +29,12 @@ def markdown(out: dict[str, Any]) -> str:
         "machine": [f"Measured by `python -m loadtests.batch_sweep` on {m['cpu']}, {m['cores']} cores, "
                     f"{m['memory_gib']} GiB memory, {m['date']}; {out['duration_s']:.0f} s per point; "
                     f"1-minute load average {m.get('load_average_before', 0):.1f} before the run and "
-                    f"{m.get('load_average_after', 0):.1f} after (above {m['cores']}: other work shared "
-                    "the cores, and the absolute numbers are low)."],
+                    f"{m.get('load_average_after', 0):.1f} after"
+                    + (f" (above {m['cores']} before it: other work shared the cores, and the absolute "
+                       "numbers are low)." if m.get("load_average_before", 0) > m["cores"] else ".")],
         "engine": [f"Engine alone on the same sentences: **{e['texts_per_s']:.0f} texts/s** at batch "
-                   f"{e['best_batch']}. One more model call costs about {call['fixed_ms']:.2f} ms of CPU, "
+                   f"{e['best_batch']}, {e.get('best_calls_at_once', 1)} call(s) side by side. "
+                   f"One more model call costs about {call['fixed_ms']:.2f} ms of CPU, "
                    f"as much as **{call['tokens']:.0f} padded tokens**."],
         "engine_batches": [_row("batch size", *e["by_batch"]), "|---" * (len(e["by_batch"]) + 1) + "|",
                            _row("texts/s", *(f"{v:.0f}" for v in e["by_batch"].values()))],
@@ -42,6 +44,10 @@ def markdown(out: dict[str, Any]) -> str:
            for k, v in out["summary"]["measured"].items()],
         "batch_size": _http_table(out["batch_size"], "MAX_BATCH_SIZE", "max_batch_size"),
         "window": _http_table(out["window"], "BATCH_WINDOW_MS", "batch_window_ms"),
+        "concurrency": _http_table(
+            [{**p, "setting": f"{p['batch_concurrency']}, {p['batch_window_ms']:g} ms"}
+             for p in out.get("concurrency", [])],
+            "BATCH_CONCURRENCY, BATCH_WINDOW_MS", "setting"),
         "mixed": _http_table([{**p, "setting": _setting(p)} for p in out["mixed"]], "setting", "setting"),
         "variant": _http_table([{**p, "setting": _setting(p)} for p in out["variant"]], "setting", "setting"),
         "burst": [burst_head, "|---" * 7 + "|"]

@@ -10,6 +10,8 @@ and docs/img/stage3_sweep.png. One run, one machine:
   what one more model call costs, in padded tokens (k calls of one row against one of k rows).
 * ``targets``: stage 2 and stage 3 with their defaults at 1 and 32 clients, unique sentences.
 * ``batch_size`` and ``window``: stage 3 with MAX_BATCH_SIZE 1..64 and BATCH_WINDOW_MS 0..20.
+* ``concurrency``: BATCH_CONCURRENCY 1 and 2 (batches in the model at once), each with and
+  without a 2 ms window, at 8 and 32 clients.
 * ``mixed``: queries and passages together at 32 clients, GROUP_BY_LENGTH and SPLIT_BY_LENGTH.
 * ``burst``: 256 mixed texts queued at once in the batcher (no HTTP): padding with and without
   grouping and length buckets.
@@ -131,6 +133,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for window in WINDOWS_MS:
         env = {"BATCH_WINDOW_MS": str(window)}
         out["window"] += run_stage(s3, env, [("sentence", 4), ("sentence", 32)], args, port)
+    out["concurrency"] = []  # model slots and the window, together: one decides the other
+    for slots in (1, 2):
+        for window in (0.0, 2.0):
+            env = {"BATCH_CONCURRENCY": str(slots), "BATCH_WINDOW_MS": str(window)}
+            out["concurrency"] += run_stage(s3, env, [("sentence", 8), ("sentence", 32)], args, port)
     out["mixed"] = []
     for env in ({}, {"GROUP_BY_LENGTH": "false"}, {"SPLIT_BY_LENGTH": "false"}):
         out["mixed"] += run_stage(s3, env, MIXED, args, port)

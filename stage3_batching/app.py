@@ -3,7 +3,8 @@
 Stage 2 made one model call per request; on a CPU each call pays a fixed cost (thread
 hand-offs, kernel launches, small matrices that use the cores badly). Here every request
 hands its texts to one ``Batcher`` (``batcher.py``), which groups them by queue-depth tier,
-token budget and length, runs each batch in one executor thread and answers every caller.
+token budget and length, runs each batch in an executor thread (BATCH_CONCURRENCY of them
+side by side) and answers every caller.
 
     make stage3   # MAX_BATCH_SIZE, MAX_BATCH_TOKENS, BATCH_WINDOW_MS, ... from the environment
 
