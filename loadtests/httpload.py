@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Coroutine
 from typing import Any
 
@@ -120,3 +121,60 @@ def run_load(
             }
         )
     return result
+
+
+class Connections:
+    """Keep-alive HTTP/1.1 connections for an *open-loop* load: a request takes an idle
+    connection or opens one, and gives it back when its answer is read.
+
+    httpx manages a pool of hundreds of connections in Python on every request; when a
+    server falls behind and hundreds of requests are in flight, that bookkeeping can take a
+    whole core from the machine the server runs on, and the load generator becomes the thing
+    being measured. This costs one deque operation per request. Connections idle longer than
+    ``max_idle_s`` are dropped (uvicorn closes them after 5 s, and a request sent at that moment
+    would fail for the client's reasons, not the server's).
+    """
+
+    def __init__(self, host: str, port: int, max_idle_s: float = 2.0) -> None:
+        self.host, self.port, self.max_idle_s = host, port, max_idle_s
+        self._idle: deque[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = deque()
+
+    async def post(self, path: str, body: bytes, timeout: float = 60.0) -> tuple[int, dict[str, str]]:
+        """Send one POST; return the status and the response headers (names in lower case)."""
+        reader, writer = await self._take()
+        request = (
+            b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        )
+        try:
+            writer.write(request % (path.encode(), len(body), body))
+            async with asyncio.timeout(timeout):
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                status = int(lines[0].split(" ", 2)[1])
+                headers = {}
+                for line in lines[1:]:
+                    name, _, value = line.partition(":")
+                    if name:
+                        headers[name.strip().lower()] = value.strip()
+                await reader.readexactly(int(headers.get("content-length", "0")))
+        except BaseException:
+            writer.close()
+            raise
+        if headers.get("connection", "").lower() == "close":
+            writer.close()
+        else:
+            self._idle.append((reader, writer, time.monotonic()))
+        return status, headers
+
+    async def _take(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        now = time.monotonic()
+        while self._idle:
+            reader, writer, since = self._idle.pop()  # the most recently used: least likely stale
+            if now - since < self.max_idle_s and not reader.at_eof():
+                return reader, writer
+            writer.close()
+        return await asyncio.open_connection(self.host, self.port)
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.pop()[1].close()

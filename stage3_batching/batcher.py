@@ -35,9 +35,9 @@ from stage3_batching.stats import BatcherStats, BatchRecord
 
 __all__ = ["BatchOutcome", "BatchRecord", "Batcher", "BatcherStats", "DeadlineExceeded"]
 log = logging.getLogger("embedserve.batcher")
-CONFIG = ("max_batch_size", "max_batch_tokens", "batch_window_ms", "batch_low_threshold",
-          "batch_high_threshold", "group_by_length", "group_window", "split_by_length",
-          "call_overhead_tokens")  # fmt: skip
+CONFIG = ("max_batch_size", "max_batch_tokens", "batch_concurrency", "batch_window_ms",
+          "batch_low_threshold", "batch_high_threshold", "group_by_length", "group_window",
+          "split_by_length", "call_overhead_tokens")  # fmt: skip
 
 
 @dataclass(slots=True)

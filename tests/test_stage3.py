@@ -70,10 +70,12 @@ def test_config_route_reports_the_live_settings(server_factory) -> None:  # type
         "MAX_BATCH_TOKENS": "3000",
         "BATCH_WINDOW_MS": "7.5",
         "GROUP_BY_LENGTH": "false",
+        "BATCH_CONCURRENCY": "3",
     }
     with server_factory(STAGE, env) as srv:
         config = httpx.get(f"{srv.url}/v1/batcher/config").json()
     assert config["max_batch_size"] == 12 and config["max_batch_tokens"] == 3000
+    assert config["batch_concurrency"] == 3
     assert config["batch_window_ms"] == 7.5 and config["group_by_length"] is False
     assert {"batch_low_threshold", "batch_high_threshold", "group_window"} <= set(config)
 

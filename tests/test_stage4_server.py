@@ -95,26 +95,32 @@ def test_fifty_concurrent_requests_for_one_new_text_run_the_model_once(
 
 # --- deadlines and disconnects ----------------------------------------------------------
 class _Blocker:
-    """One batch of long passages that keeps the model busy for a while (cache bypassed)."""
+    """Batches of long passages that keep every model slot busy for a while (cache bypassed)."""
 
     def __init__(self, url: str, n: int = 32) -> None:
-        self.url, self.texts = url, _new(n, kind="passage")
+        self.slots = int(_metrics(url, "/v1/batcher/config")["batch_concurrency"])
+        self.url = url
+        self.requests = [_new(n, kind="passage") for _ in range(self.slots)]  # one batch per slot
+        self.texts = [t for texts in self.requests for t in texts]
         self.before = _metrics(url, "/v1/batcher/metrics")["texts"]
         self.result: list[httpx.Response] = []
 
     def __enter__(self) -> _Blocker:
         import threading
 
-        self.thread = threading.Thread(
-            target=lambda: self.result.append(_embed(self.url, self.texts, cache=False))
-        )
-        self.thread.start()
-        _wait(lambda: _metrics(self.url, "/v1/batcher/metrics")["in_flight"] == 1)
+        self.threads = [
+            threading.Thread(target=lambda t=texts: self.result.append(_embed(self.url, t, cache=False)))
+            for texts in self.requests
+        ]
+        for thread in self.threads:
+            thread.start()
+        _wait(lambda: _metrics(self.url, "/v1/batcher/metrics")["in_flight"] == self.slots)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.thread.join(timeout=240)
-        assert self.result and self.result[0].status_code == 200
+        for thread in self.threads:
+            thread.join(timeout=240)
+        assert len(self.result) == self.slots and all(r.status_code == 200 for r in self.result)
 
     def texts_run_since(self) -> int:
         return int(_metrics(self.url, "/v1/batcher/metrics")["texts"]) - int(self.before)
