@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -92,11 +95,21 @@ def test_lru_zero_items_disables_the_memory_tier() -> None:
 
 
 # --- the Redis tier (real Redis) ---------------------------------------------------
-async def test_redis_roundtrip_with_ttl_and_mget(redis_url: str) -> None:
+@asynccontextmanager
+async def _tier(url: str, **options: Any) -> AsyncIterator[tuple[RedisCache, CacheStats]]:
+    """A started Redis tier and its counters (ttl 60 s, 500 ms timeout unless ``options`` say)."""
     stats = CacheStats()
-    tier = RedisCache(redis_url, ttl_s=120, timeout_ms=500, value_bytes=VALUE_BYTES, stats=stats)
+    settings: dict[str, Any] = {"ttl_s": 60, "timeout_ms": 500, **options}
+    tier = RedisCache(url, value_bytes=VALUE_BYTES, stats=stats, **settings)
     await tier.start()
     try:
+        yield tier, stats
+    finally:
+        await tier.close()
+
+
+async def test_redis_roundtrip_with_ttl_and_mget(redis_url: str) -> None:
+    async with _tier(redis_url, ttl_s=120) as (tier, stats):
         keys = [_unique(f"test-roundtrip-{i}") for i in range(3)]
         await tier.put_many({keys[0]: _vec(0).tobytes(), keys[1]: _vec(1).tobytes()})
         got = await tier.get_many(keys)
@@ -104,19 +117,13 @@ async def test_redis_roundtrip_with_ttl_and_mget(redis_url: str) -> None:
         assert stats.hits["redis"] == 2 and stats.misses["redis"] == 1 and stats.writes["redis"] == 2
         ttl = redis.Redis.from_url(redis_url).ttl(keys[0])
         assert 0 < ttl <= 120
-    finally:
-        await tier.close()
 
 
 async def test_redis_one_pool_reuses_connections(private_redis) -> None:  # type: ignore[no-untyped-def]
     """100 commands from 20 concurrent tasks: a handful of connections, not 100."""
-    tier = RedisCache(
-        private_redis.url, ttl_s=60, timeout_ms=1000, value_bytes=VALUE_BYTES, stats=CacheStats()
-    )
     probe = redis.Redis.from_url(private_redis.url)
     before = probe.info("stats")["total_connections_received"]
-    await tier.start()
-    try:
+    async with _tier(private_redis.url, timeout_ms=1000) as (tier, _):
 
         async def five(i: int) -> None:
             for j in range(5):
@@ -125,32 +132,20 @@ async def test_redis_one_pool_reuses_connections(private_redis) -> None:  # type
         await asyncio.gather(*(five(i) for i in range(20)))
         opened = probe.info("stats")["total_connections_received"] - before
         assert opened <= 20  # at most one per concurrent task, reused for all 100 commands
-    finally:
-        await tier.close()
 
 
 async def test_redis_garbage_is_a_counted_miss(redis_url: str) -> None:
-    stats = CacheStats()
-    tier = RedisCache(redis_url, ttl_s=60, timeout_ms=500, value_bytes=VALUE_BYTES, stats=stats)
     key = _unique("test-garbage")
     redis.Redis.from_url(redis_url).set(key, b"not a vector", ex=60)
-    await tier.start()
-    try:
+    async with _tier(redis_url) as (tier, stats):
         assert await tier.get_many([key]) == [None]
         assert stats.errors["garbage"] == 1
         await tier.put_many({key: _vec(3).tobytes()})  # the recomputed value overwrites it
         assert await tier.get_many([key]) == [_vec(3).tobytes()]
-    finally:
-        await tier.close()
 
 
 async def test_redis_down_fails_open_logs_once_and_recovers(private_redis, caplog) -> None:  # type: ignore[no-untyped-def]
-    stats = CacheStats()
-    tier = RedisCache(
-        private_redis.url, ttl_s=60, timeout_ms=200, value_bytes=VALUE_BYTES, stats=stats, backoff_s=0.0
-    )
-    await tier.start()
-    try:
+    async with _tier(private_redis.url, timeout_ms=200, backoff_s=0.0) as (tier, stats):
         await tier.put_many({"k": _vec(1).tobytes()})
         private_redis.stop()
         caplog.set_level(logging.WARNING, logger="embedserve.cache")
@@ -165,17 +160,10 @@ async def test_redis_down_fails_open_logs_once_and_recovers(private_redis, caplo
         await tier.put_many({"k": _vec(1).tobytes()})
         assert await tier.get_many(["k"]) == [_vec(1).tobytes()]
         assert any("answering again" in r.getMessage() for r in caplog.records)
-    finally:
-        await tier.close()
 
 
 async def test_redis_slow_times_out_then_backs_off(private_redis) -> None:  # type: ignore[no-untyped-def]
-    stats = CacheStats()
-    tier = RedisCache(
-        private_redis.url, ttl_s=60, timeout_ms=50, value_bytes=VALUE_BYTES, stats=stats, backoff_s=0.5
-    )
-    await tier.start()
-    try:
+    async with _tier(private_redis.url, timeout_ms=50, backoff_s=0.5) as (tier, stats):
         await tier.put_many({"k": _vec(2).tobytes()})
         private_redis.pause()  # SIGSTOP: the socket is open, nothing answers
         started = time.perf_counter()
@@ -190,19 +178,12 @@ async def test_redis_slow_times_out_then_backs_off(private_redis) -> None:  # ty
         while await tier.get_many(["k"]) != [_vec(2).tobytes()]:
             assert time.monotonic() < deadline, "the Redis tier did not recover"
             await asyncio.sleep(0.1)
-    finally:
-        await tier.close()
 
 
 async def test_redis_one_timeout_is_not_an_outage(private_redis) -> None:  # type: ignore[no-untyped-def]
     """A lone timeout (Redis, or this process's event loop, busy for a moment) costs that one
     lookup; the next request asks Redis again instead of skipping it for ``backoff_s``."""
-    stats = CacheStats()
-    tier = RedisCache(
-        private_redis.url, ttl_s=60, timeout_ms=50, value_bytes=VALUE_BYTES, stats=stats, backoff_s=30
-    )
-    await tier.start()
-    try:
+    async with _tier(private_redis.url, timeout_ms=50, backoff_s=30) as (tier, stats):
         await tier.put_many({"k": _vec(4).tobytes()})
         private_redis.pause()
         assert await tier.get_many(["k"]) == [None]
@@ -213,8 +194,6 @@ async def test_redis_one_timeout_is_not_an_outage(private_redis) -> None:  # typ
             assert found == [None] and time.monotonic() < deadline
             await asyncio.sleep(0.05)
         assert stats.skipped == 0  # never backed off (backoff_s=30 would have failed the loop)
-    finally:
-        await tier.close()
 
 
 async def test_redis_password_in_the_url(tmp_path: Path) -> None:
