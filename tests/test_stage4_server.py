@@ -168,7 +168,7 @@ def test_client_leaving_mid_body_is_no_server_error(stage_server: Any) -> None:
 
 
 # --- overload ---------------------------------------------------------------------------
-def test_overload_fast_503s_correct_200s_no_500_and_healthy_after(
+def test_overload_503s_without_model_work_correct_200s_no_500_and_healthy_after(
     server_factory: Any, engine: Engine
 ) -> None:
     """The seed's experiment: queue capped at 5, 300 requests at concurrency 200.
@@ -178,6 +178,7 @@ def test_overload_fast_503s_correct_200s_no_500_and_healthy_after(
     texts = _new(300, kind="passage")
     with server_factory(STAGE, {"MAX_QUEUE": "5"}) as server:
         url = server.url
+        model_texts_before = _metrics(url, "/v1/batcher/metrics")["texts"]
 
         async def fire() -> list[tuple[int, float, httpx.Response]]:
             gate = asyncio.Semaphore(200)
@@ -203,12 +204,11 @@ def test_overload_fast_503s_correct_200s_no_500_and_healthy_after(
             assert int(response.headers["Retry-After"]) >= 1
             assert response.json()["error"]["type"] == "overloaded_error"
         _agree(engine, [t for t, _ in ok], [r.json()["embeddings"][0] for _, r in ok])
-        # A 503 is a fast answer: decided at the door, before any model work. Compared by the
-        # server's own x-total-time: the client's clock also counts 200 connections queueing
-        # in the kernel and the event loop, which refused and served requests share alike.
-        served_ms = np.median([float(r.headers["x-total-time"]) for _, r in ok])
-        refused_ms = np.median([float(r.headers["x-total-time"]) for _, r in refused])
-        assert refused_ms < served_ms, (refused_ms, served_ms)
+        # A 503 is decided at the door and costs no model work: the model ran exactly the texts
+        # of the requests it answered. (Not "faster than a 200" on any clock: with 200
+        # connections on two cores the event loop itself is the queue, and refused and served
+        # requests wait their turn on it alike; docs/stage4.md shows both clocks.)
+        assert _metrics(url, "/v1/batcher/metrics")["texts"] - model_texts_before == len(ok)
         assert server.process.poll() is None
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         assert _embed(url, _new(1)).status_code == 200
