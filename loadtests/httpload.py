@@ -23,6 +23,18 @@ def post_requests(path: str, bodies: list[bytes]) -> list[bytes]:
     return [b"%scontent-length: %d\r\n\r\n%s" % (head, len(b), b) for b in bodies]
 
 
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """Read one HTTP/1.1 response with a Content-Length: its status and headers (lower-case names)."""
+    lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        if name:
+            headers[name.strip().lower()] = value.strip()
+    await reader.readexactly(int(headers.get("content-length", "0")))
+    return int(lines[0].split(" ", 2)[1]), headers
+
+
 async def _client(
     host: str, port: int, requests: list[bytes], start: int, until: float, out: list[float]
 ) -> int:
@@ -34,10 +46,8 @@ async def _client(
             i += 1
             sent = time.perf_counter()
             writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-            await reader.readexactly(length)
-            if head[9:12] == b"200":
+            status, _ = await read_response(reader)
+            if status == 200:
                 out.append((time.perf_counter() - sent) * 1e3)
             else:
                 errors += 1
@@ -142,21 +152,10 @@ class Connections:
     async def post(self, path: str, body: bytes, timeout: float = 60.0) -> tuple[int, dict[str, str]]:
         """Send one POST; return the status and the response headers (names in lower case)."""
         reader, writer = await self._take()
-        request = (
-            b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-        )
         try:
-            writer.write(request % (path.encode(), len(body), body))
+            writer.write(post_requests(path, [body])[0])
             async with asyncio.timeout(timeout):
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                status = int(lines[0].split(" ", 2)[1])
-                headers = {}
-                for line in lines[1:]:
-                    name, _, value = line.partition(":")
-                    if name:
-                        headers[name.strip().lower()] = value.strip()
-                await reader.readexactly(int(headers.get("content-length", "0")))
+                status, headers = await read_response(reader)
         except BaseException:
             writer.close()
             raise

@@ -148,17 +148,13 @@ class Batcher:
                 running.add(task)
                 task.add_done_callback(running.discard)
             except Exception as exc:  # never die: answer this batch's callers, keep serving
-                log.exception("batcher loop error")
-                for entry in batch:
-                    entry.req.fail(exc)
+                _fail(batch, exc)
 
     async def _run_in_slot(self, batch: list[QueuedText], tier: str, slots: asyncio.Semaphore) -> None:
         try:
             await self._run_batch(batch, tier)
         except Exception as exc:  # answer this batch's callers; the loop keeps serving
-            log.exception("batcher loop error")
-            for entry in batch:
-                entry.req.fail(exc)
+            _fail(batch, exc)
         finally:
             slots.release()
 
@@ -317,3 +313,10 @@ def length_buckets(lengths: np.ndarray, overhead: int, rows: np.ndarray | None =
 
 
 # --8<-- [end:buckets]
+
+
+def _fail(batch: list[QueuedText], exc: Exception) -> None:
+    """An error outside the model call: log it, and answer every caller in the batch with it."""
+    log.exception("batcher loop error")
+    for entry in batch:
+        entry.req.fail(exc)
