@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 MODEL_DIR := models/all-MiniLM-L6-v2
-STSB ?= $(wildcard ../shared/data/stsb/sts-dev.csv)
+# STS-benchmark dev pairs shipped in the repository (data/stsb/README.md); STSB=path for another copy
+STSB ?= data/stsb/sts-dev.csv
 HOST ?= 127.0.0.1
 PORT ?= 8000
 export HOST PORT
@@ -25,7 +26,7 @@ $(MODEL_DIR)/manifest.json: | $(VENV)/.installed
 
 ## model: export, quantize and check the model (does nothing when up to date)
 model: $(VENV)/.installed
-	$(PY) -m common.build_model $(if $(STSB),--stsb $(STSB))
+	$(PY) -m stage0_script.build_model $(if $(STSB),--stsb $(STSB))
 
 ## stage0: embed texts from the command line (ARGS="--bench" for the baseline benchmark)
 stage0: setup
@@ -74,7 +75,7 @@ loadtest-screenshots: setup browser
 
 ## compare: every stage under the same Locust profiles, then the engine ceiling (QUICK=1: seconds per point)
 compare: setup
-	$(PY) -m loadtests.compare $(if $(QUICK),--quick) $(ARGS)
+	$(PY) -m benchmarks.compare $(if $(QUICK),--quick) $(ARGS)
 
 ## bench: pytest-benchmark microbenchmarks saved under docs/results/ (COMPARE=1: compare with the last run)
 bench: setup
@@ -82,36 +83,36 @@ bench: setup
 		--benchmark-enable --benchmark-only --benchmark-storage=file://docs/results/benchmarks \
 		--benchmark-autosave --benchmark-json=docs/results/bench.json \
 		$(if $(COMPARE),--benchmark-compare) $(ARGS)
-	$(PY) -m loadtests.bench_report docs/results/bench.json docs/results/bench.md
+	$(PY) -m benchmarks.micro.report docs/results/bench.json docs/results/bench.md
 
 # --- stage 1 and 2 measurements (docs/stage1.md, docs/stage2.md) ------------------------------
 .PHONY: bench-stage2
 
 ## bench-stage2: what the API contract costs per request, stage 1 vs 2 under load, the thread sweep (QUICK=1: seconds)
 bench-stage2: setup
-	$(PY) -m loadtests.overhead $(if $(QUICK),--quick)
-	$(PY) -m loadtests.threads_sweep $(if $(QUICK),--quick)
+	$(PY) -m benchmarks.stage2_overhead $(if $(QUICK),--quick)
+	$(PY) -m benchmarks.stage2_threads $(if $(QUICK),--quick)
 
 # --- stage 3 measurements (docs/stage3.md) ----------------------------------------------------
 .PHONY: bench-stage3
 
 ## bench-stage3: stage 3 against stage 2 and the engine, MAX_BATCH_SIZE and window sweeps, padding (QUICK=1: seconds)
 bench-stage3: setup
-	$(PY) -m loadtests.batch_sweep $(if $(QUICK),--quick)
+	$(PY) -m benchmarks.stage3 $(if $(QUICK),--quick)
 
 # --- stage 4 measurements (docs/stage4.md) ----------------------------------------------------
 .PHONY: bench-stage4
 
 ## bench-stage4: cache hit latency by tier, pooled vs per-command Redis, repeated texts and overload vs stage 3
 bench-stage4: setup
-	$(PY) -m stage4_cache_backpressure.bench $(ARGS)
+	$(PY) -m benchmarks.stage4 $(ARGS)
 
 # --- stage 5 measurements (docs/stage5.md) ----------------------------------------------------
 .PHONY: stage5-overhead
 
 ## stage5-overhead: what metrics, logs and the dashboard cost: stage 5 vs stage 4, same run (QUICK=1: seconds)
 stage5-overhead: setup
-	$(PY) -m stage5_metrics.overhead $(if $(QUICK),--quick) $(ARGS)
+	$(PY) -m benchmarks.stage5 $(if $(QUICK),--quick) $(ARGS)
 
 # --- docs site and the quantization study (docs/quantization.md, docs/operating.md) -----------
 .PHONY: docs docs-build settings-doc quant-study
@@ -126,11 +127,11 @@ docs-build: $(VENV)/.installed
 
 ## settings-doc: regenerate the settings table of docs/operating.md from common/settings.py
 settings-doc: $(VENV)/.installed
-	$(PY) -m common.settings_doc
+	$(PY) -m benchmarks.settings_doc
 
 ## quant-study: static INT8 recipes against fp32 and dynamic (docs/results/quantization.json; ~10 min)
 quant-study: setup
-	$(PY) -m common.quant_study $(if $(STSB),--stsb $(STSB))
+	$(PY) -m stage0_script.quant_study $(if $(STSB),--stsb $(STSB))
 
 # --- hardening: fuzzing, soak, faults, reliability report (docs/reliability.md) --------------
 FUZZ_EXAMPLES ?= 500
@@ -144,8 +145,8 @@ fuzz: setup
 
 ## soak: stage 5 + Redis at 70% of capacity for SOAK_SECONDS (docs/results/soak.json, docs/img/soak.png)
 soak: setup
-	$(PY) -m loadtests.soak --duration $(SOAK_SECONDS)
+	$(PY) -m benchmarks.reliability.soak --duration $(SOAK_SECONDS)
 
 ## reliability: bad input, fuzz and faults against every stage, counted (docs/results/reliability.json)
 reliability: setup
-	$(PY) -m loadtests.reliability $(ARGS)
+	$(PY) -m benchmarks.reliability.reliability $(ARGS)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -54,6 +54,7 @@ __all__ = [
     "OpenAIEmbeddingRequest",
     "create_app",
     "json_response",
+    "check_truncation",
     "lean_route",
     "read_body",
     "tokenize",
@@ -71,21 +72,30 @@ _Body = TypeVar("_Body", bound=BaseModel)
 # --- what a backend sees and returns -------------------------------------------
 @dataclass(slots=True)
 class EmbedJob:
-    """One validated request, tokenized, handed to a stage's backend."""
+    """One validated request, handed to a stage's backend. The backend tokenizes (``tokenize``),
+    so a stage with a cache can answer a hit before the tokenizer runs."""
 
     texts: list[str]
-    tokens: list[TokenizedText]
     normalize: bool = True
+    truncate: bool = True  # false: a text over the model's token limit is a 422
     use_cache: bool = True
     deadline: float | None = None  # time.monotonic() after which the answer is useless
     request: Request | None = None  # for disconnect checks
+    param: str = "inputs"  # the body field the texts came from, for error messages
 
 
 @dataclass(slots=True)
 class EmbedResult:
+    """What a backend answers; the contract turns the optional fields into response headers."""
+
     vectors: np.ndarray  # (len(texts), dim) float32, normalized when the job asked
-    timings: dict[str, float] = field(default_factory=dict)  # ms: queue, inference
-    headers: dict[str, str] = field(default_factory=dict)  # extra response headers
+    n_tokens: list[int]  # per text, special tokens included (OpenAI `usage`)
+    truncated: list[bool]  # per text: cut at the model's token limit?
+    inference_ms: float = 0.0  # model time this request waited on (0: no model ran, a cache hit)
+    queue_ms: float | None = None  # stages with a queue: the longest wait of the request's texts
+    batch_sizes: list[int] | None = None  # stages that batch: the sizes of the request's batches
+    cache_hits: int | None = None  # stages with a cache: texts answered from it (None: no cache)
+    cache_bypassed: bool = False  # the client asked not to use the cache (`cache: false`, no-cache)
 
 
 class Backend(Protocol):
@@ -150,22 +160,32 @@ def validate_texts(texts: list[str], settings: Settings, param: str) -> None:
             )
 
 
-async def tokenize(engine: Engine, texts: list[str], truncate: bool, param: str) -> list[TokenizedText]:
-    """Token ids for every text (cheap ones on the loop, long ones in a thread); 422 past the limit."""
+async def tokenize(engine: Engine, job: EmbedJob, rows: list[int] | None = None) -> list[TokenizedText]:
+    """Token ids of the job's texts (or of those at ``rows``); 422 past the token limit when the
+    job does not allow truncation. Short input is tokenized on the event loop (microseconds a
+    text), long input in a thread so it cannot stall the loop."""
+    rows = list(range(len(job.texts))) if rows is None else rows
+    texts = [job.texts[i] for i in rows]
     if sum(len(t) for t in texts) > _TOKENIZE_IN_THREAD_CHARS:
         tokens = await run_in_threadpool(engine.tokenize, texts)
     else:
         tokens = engine.tokenize(texts)
-    if not truncate:
-        for i, tok in enumerate(tokens):
-            if tok.truncated:
-                raise APIError(
-                    422,
-                    f"`{param}[{i}]` is longer than the model's {engine.max_tokens}-token limit"
-                    " and `truncate` is false",
-                    param=f"{param}[{i}]",
-                )
+    check_truncation(engine, job, zip(rows, (t.truncated for t in tokens), strict=True))
     return tokens
+
+
+def check_truncation(engine: Engine, job: EmbedJob, flags: Iterable[tuple[int, bool]]) -> None:
+    """For a job with ``truncate`` false: 422 naming the first text (row, was it cut?) that was cut."""
+    if job.truncate:
+        return
+    for i, cut in flags:
+        if cut:
+            raise APIError(
+                422,
+                f"`{job.param}[{i}]` is longer than the model's {engine.max_tokens}-token limit"
+                " and `truncate` is false",
+                param=f"{job.param}[{i}]",
+            )
 
 
 def _deadline(request: Request, settings: Settings) -> float:
@@ -183,16 +203,22 @@ def _deadline(request: Request, settings: Settings) -> float:
     return time.monotonic() + timeout
 
 
-def _timing_headers(result: EmbedResult, started: float) -> dict[str, str]:
-    """x-total-time and x-inference-time on every answer (0 when no model ran: a cache hit);
-    x-queue-time when the backend has a queue."""
+def _result_headers(result: EmbedResult, started: float) -> dict[str, str]:
+    """x-total-time and x-inference-time on every answer (0 when no model ran: a cache hit), and
+    what the later stages know: x-queue-time, x-batch-size, x-cache with its counts."""
     headers = {
         "x-total-time": f"{(time.perf_counter() - started) * 1e3:.2f}",
-        "x-inference-time": f"{result.timings.get('inference_ms', 0.0):.2f}",
+        "x-inference-time": f"{result.inference_ms:.2f}",
     }
-    if "queue_ms" in result.timings:
-        headers["x-queue-time"] = f"{result.timings['queue_ms']:.2f}"
-    headers.update(result.headers)
+    if result.queue_ms is not None:
+        headers["x-queue-time"] = f"{result.queue_ms:.2f}"
+    if result.batch_sizes:
+        headers["x-batch-size"] = ",".join(map(str, result.batch_sizes))
+    if result.cache_hits is not None:
+        n, hits = len(result.n_tokens), result.cache_hits
+        state = "hit" if hits == n else "miss" if hits == 0 else "partial"
+        headers["x-cache"] = "bypass" if result.cache_bypassed else state
+        headers["x-cache-hits"], headers["x-cache-misses"] = str(hits), str(n - hits)
     return headers
 
 
@@ -331,23 +357,16 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         normalize: bool,
         truncate: bool,
         cache: bool,
-    ) -> tuple[EmbedJob, EmbedResult]:
-        """Validate, tokenize, hand to the stage's backend: the part every stage shares."""
+    ) -> EmbedResult:
+        """Validate, hand to the stage's backend (which tokenizes and runs the model): the part
+        every stage shares."""
         if not request.app.state.ready:
             message = "the server is not ready (the model is loading, or the server is draining)"
             raise APIError(503, message, headers={"Retry-After": "1"})
         validate_texts(texts, settings, param)
-        engine: Engine = request.app.state.engine
         if cache and "no-cache" in request.headers.get("cache-control", ""):
             cache = False
-        job = EmbedJob(
-            texts=texts,
-            tokens=await tokenize(engine, texts, truncate, param),
-            normalize=normalize,
-            use_cache=cache,
-            deadline=_deadline(request, settings),
-            request=request,
-        )
+        job = EmbedJob(texts, normalize, truncate, cache, _deadline(request, settings), request, param)
         try:
             result = await request.app.state.backend.embed(job)
         except APIError as exc:  # a refusal says how long it took too (a 503 should be fast)
@@ -355,7 +374,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
             raise
         if result.vectors.shape[0] != len(texts):  # never hand a caller someone else's vectors
             raise APIError(500, f"backend returned {result.vectors.shape[0]} vectors for {len(texts)} texts")
-        return job, result
+        return result
 
     # --8<-- [end:run_job]
 
@@ -373,17 +392,15 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         started = time.perf_counter()
         body = await read_body(request, EmbedRequest)
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        job, result = await run_job(
-            request, started, texts, "inputs", body.normalize, body.truncate, body.cache
-        )
+        result = await run_job(request, started, texts, "inputs", body.normalize, body.truncate, body.cache)
         engine: Engine = request.app.state.engine
         payload = {
             "embeddings": result.vectors,
             "model": engine.model_name,
             "dimensions": engine.dimensions,
-            "truncated": [t.truncated for t in job.tokens],
+            "truncated": result.truncated,
         }
-        return json_response(payload, headers=_timing_headers(result, started))
+        return json_response(payload, headers=_result_headers(result, started))
 
     @lean_route(
         app,
@@ -413,18 +430,18 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
                 param="dimensions",
             )
         texts = [body.input] if isinstance(body.input, str) else body.input
-        job, result = await run_job(request, started, texts, "input", True, True, True)
+        result = await run_job(request, started, texts, "input", True, True, True)
         vectors: Any = result.vectors  # orjson writes a (n, 384) float32 array row by row
         if body.encoding_format == "base64":
             vectors = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in result.vectors]
-        n_tokens = sum(t.n_tokens for t in job.tokens)
+        n_tokens = sum(result.n_tokens)
         payload = {
             "object": "list",
             "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
             "model": engine.model_name,
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
         }
-        return json_response(payload, headers=_timing_headers(result, started))
+        return json_response(payload, headers=_result_headers(result, started))
 
     @lean_route(app, "GET", "/v1/models", tags=["meta"], response_model=ModelList)
     async def models(request: Request) -> Response:

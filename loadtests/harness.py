@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import psutil
 
-from common import corpus
+from stage0_script import corpus
 
 REPO = Path(__file__).resolve().parent.parent
 LOCUSTFILE = REPO / "loadtests" / "locustfile.py"

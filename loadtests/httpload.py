@@ -1,8 +1,8 @@
 """A light closed-loop HTTP/1.1 load: N asyncio clients, one keep-alive connection each.
 
 On 2 cores the load generator competes with the server for CPU, so it must be cheap: raw
-asyncio streams, pre-built request bytes, no HTTP library. Used by ``loadtests.overhead``
-and ``loadtests.threads_sweep``; its own CPU use is reported with every point.
+asyncio streams, pre-built request bytes, no HTTP library. Used by ``benchmarks.stage2_overhead``
+and ``benchmarks.stage2_threads``; its own CPU use is reported with every point.
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from common import corpus
 from common.engine import Engine
-from common.machine import machine_info
 from common.settings import REPO_ROOT, get_settings
+from loadtests.machine import machine_info
+from stage0_script import corpus
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 VARIANTS = ("fp32", "int8-dynamic", "int8-static")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from common.api import EmbedJob, EmbedResult, create_app
+from common.api import EmbedJob, EmbedResult, create_app, tokenize
 from common.engine import Engine, l2_normalize
 from common.settings import Settings
 
@@ -22,14 +22,17 @@ class NaiveBackend:
         self.engine = engine
 
     async def embed(self, job: EmbedJob) -> EmbedResult:
+        tokens = await tokenize(self.engine, job)  # ids, counts, 422 past the token limit
         started = time.perf_counter()
         # Blocks the event loop for the whole model call: nothing else in this process
         # runs until it returns. stage2_threadpool moves this call to a thread.
-        vectors = self.engine.run([t.ids for t in job.tokens])
+        vectors = self.engine.run([t.ids for t in tokens])
         inference_ms = (time.perf_counter() - started) * 1e3
         if job.normalize:
             vectors = l2_normalize(vectors)
-        return EmbedResult(vectors, timings={"inference_ms": inference_ms})
+        return EmbedResult(
+            vectors, [t.n_tokens for t in tokens], [t.truncated for t in tokens], inference_ms
+        )
 
 
 # --8<-- [end:backend]

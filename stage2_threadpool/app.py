@@ -17,7 +17,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from common.api import EmbedJob, EmbedResult, create_app
+from common.api import EmbedJob, EmbedResult, create_app, tokenize
 from common.engine import Engine, l2_normalize
 from common.settings import Settings
 from stage1_naive.app import NaiveBackend
@@ -32,14 +32,17 @@ class ThreadPoolBackend(NaiveBackend):
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="model")
 
     async def embed(self, job: EmbedJob) -> EmbedResult:
+        tokens = await tokenize(self.engine, job)
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         # NEW: the event loop stays free while a pool thread runs the model.
-        vectors = await loop.run_in_executor(self.pool, self.engine.run, [t.ids for t in job.tokens])
+        vectors = await loop.run_in_executor(self.pool, self.engine.run, [t.ids for t in tokens])
         inference_ms = (time.perf_counter() - started) * 1e3
         if job.normalize:
             vectors = l2_normalize(vectors)
-        return EmbedResult(vectors, timings={"inference_ms": inference_ms})
+        return EmbedResult(
+            vectors, [t.n_tokens for t in tokens], [t.truncated for t in tokens], inference_ms
+        )
 
     async def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from common.api import EmbedJob, EmbedResult, create_app, json_response
+from common.api import EmbedJob, EmbedResult, create_app, json_response, tokenize
 from common.engine import Engine, l2_normalize
 from common.limits import APIError
 from common.settings import Settings
@@ -42,8 +42,9 @@ class BatchingBackend:
         await self.batcher.close()  # answers everything queued first
 
     async def embed(self, job: EmbedJob) -> EmbedResult:
+        tokens = await tokenize(self.engine, job)
         try:
-            out = await self.batcher.submit(job.tokens, deadline=job.deadline)
+            out = await self.batcher.submit(tokens, deadline=job.deadline)
         except APIError:
             raise
         except Exception as exc:  # the model raised for this caller's texts
@@ -51,8 +52,11 @@ class BatchingBackend:
         vectors = l2_normalize(out.vectors) if job.normalize else out.vectors
         return EmbedResult(
             vectors,
-            timings={"queue_ms": out.queue_ms, "inference_ms": out.inference_ms},
-            headers={"x-batch-size": ",".join(map(str, out.batch_sizes))},  # NEW
+            [t.n_tokens for t in tokens],
+            [t.truncated for t in tokens],
+            out.inference_ms,
+            queue_ms=out.queue_ms,  # NEW: x-queue-time
+            batch_sizes=out.batch_sizes,  # NEW: x-batch-size
         )
 
 

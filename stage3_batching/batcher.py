@@ -294,7 +294,7 @@ def length_buckets(lengths: np.ndarray, overhead: int, rows: np.ndarray | None =
 
     ``rows[i]`` texts share length ``lengths[i]`` (one request's texts, padded together).
     On a CPU a padded token costs as much as a real one, and one more model call costs
-    about ``overhead`` tokens (measured by loadtests/batch_sweep.py), so a batch of mixed
+    about ``overhead`` tokens (measured by benchmarks/stage3.py), so a batch of mixed
     lengths runs faster as a few calls of similar lengths than as one.
     """
     n = len(lengths)

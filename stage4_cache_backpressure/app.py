@@ -31,8 +31,8 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from common.api import EmbedJob, EmbedResult, create_app, json_response
-from common.engine import Engine, l2_normalize
+from common.api import EmbedJob, EmbedResult, create_app, json_response, tokenize
+from common.engine import Engine, TokenizedText, l2_normalize
 from common.limits import APIError
 from common.settings import Settings
 from stage3_batching.app import BatchingBackend, add_batcher_routes
@@ -147,6 +147,7 @@ class CacheBackend(BatchingBackend):
     async def _embed(self, job: EmbedJob) -> EmbedResult:
         model, sha = self.engine.model_id, self.engine.model_sha256
         keys = [cache_key(model, sha, job.normalize, text) for text in job.texts]
+        tokens = await tokenize(self.engine, job)
         answer = _Answer(np.empty((len(keys), self.engine.dimensions), np.float32))
         todo = list(range(len(keys)))
         use_cache = job.use_cache and self.cache.enabled
@@ -162,7 +163,7 @@ class CacheBackend(BatchingBackend):
         led = [keys[i] for i in lead] if use_cache else []  # the flights this request owns
         try:
             if lead:
-                await self._lead(job, keys, lead, answer, use_cache)
+                await self._lead(job, tokens, keys, lead, answer, use_cache)
         except asyncio.CancelledError:
             self.flights.fail(led, LeaderGone())
             raise
@@ -176,11 +177,25 @@ class CacheBackend(BatchingBackend):
         for i, flight in follow:
             answer.vectors[i] = await self._follow(job, i, flight)
         self.stats.deduplicated += len(follow)
-        answer.headers.update(_cache_headers(answer.hits, len(keys), use_cache))
-        return EmbedResult(answer.vectors, timings=answer.timings, headers=answer.headers)
+        return EmbedResult(
+            answer.vectors,
+            [t.n_tokens for t in tokens],
+            [t.truncated for t in tokens],
+            answer.inference_ms,
+            queue_ms=answer.queue_ms,
+            batch_sizes=answer.batch_sizes,
+            cache_hits=answer.hits,
+            cache_bypassed=not use_cache,
+        )
 
     async def _lead(
-        self, job: EmbedJob, keys: list[str], todo: list[int], answer: _Answer, use_cache: bool
+        self,
+        job: EmbedJob,
+        tokens: list[TokenizedText],
+        keys: list[str],
+        todo: list[int],
+        answer: _Answer,
+        use_cache: bool,
     ) -> None:
         if use_cache and self.cache.redis is not None:  # 3. Redis tier, once for all followers
             found = await self.cache.get_remote([keys[i] for i in todo])
@@ -193,11 +208,11 @@ class CacheBackend(BatchingBackend):
         if job.deadline is not None and time.monotonic() >= job.deadline:
             raise APIError(504, "request deadline passed before the model was reached")
         self.admission.check(len(todo))  # 4. bounded queue: 503 now, never a long wait
-        outcome = await self.batcher.submit([job.tokens[i] for i in todo], deadline=job.deadline)
+        outcome = await self.batcher.submit([tokens[i] for i in todo], deadline=job.deadline)
         vectors = l2_normalize(outcome.vectors) if job.normalize else outcome.vectors
         answer.vectors[todo] = vectors
-        answer.timings.update(queue_ms=outcome.queue_ms, inference_ms=outcome.inference_ms)
-        answer.headers["x-batch-size"] = ",".join(map(str, outcome.batch_sizes))
+        answer.queue_ms, answer.inference_ms = outcome.queue_ms, outcome.inference_ms
+        answer.batch_sizes = outcome.batch_sizes
         new_keys = [keys[i] for i in todo]
         written = self.cache.put_local(new_keys, vectors)  # an opted-out answer refreshes it too
         for key, vector in zip(new_keys, vectors, strict=True) if use_cache else ():
@@ -212,7 +227,7 @@ class CacheBackend(BatchingBackend):
         except TimeoutError:
             raise APIError(504, "request deadline passed while the same text was being computed") from None
         except LeaderGone:  # the leader's client left or its deadline passed: ours may not have
-            one = EmbedJob([job.texts[i]], [job.tokens[i]], job.normalize, job.use_cache, job.deadline)
+            one = EmbedJob([job.texts[i]], job.normalize, job.truncate, job.use_cache, job.deadline)
             return (await self._embed(one)).vectors[0]
 
     # --8<-- [end:embed]
@@ -224,8 +239,9 @@ class _Answer:
 
     vectors: np.ndarray
     hits: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-    headers: dict[str, str] = field(default_factory=dict)
+    inference_ms: float = 0.0
+    queue_ms: float | None = None
+    batch_sizes: list[int] | None = None
 
     def fill(self, rows: list[int], found: list[np.ndarray | None]) -> list[int]:
         """Take the vectors a cache tier found; return the rows still missing."""
@@ -237,11 +253,6 @@ class _Answer:
                 self.vectors[row] = vector
                 self.hits += 1
         return missing
-
-
-def _cache_headers(hits: int, n: int, use_cache: bool) -> dict[str, str]:
-    state = "bypass" if not use_cache else "hit" if hits == n else "miss" if hits == 0 else "partial"
-    return {"x-cache": state, "x-cache-hits": str(hits), "x-cache-misses": str(n - hits)}
 
 
 async def _client_gone(request: Request) -> None:

@@ -60,14 +60,15 @@ class MetricsBackend(CacheBackend):
         record = record_of(job.request.scope) if job.request is not None else None
         if record is None:
             return await super().embed(job)
-        # NEW: counts first, so a 503 or 504 is logged with them too.
-        record.texts, record.tokens = len(job.texts), sum(t.n_tokens for t in job.tokens)
+        # NEW: the text count first, so a 503 or 504 is logged with it too.
+        record.texts = len(job.texts)
         result = await super().embed(job)
-        record.queue_ms = result.timings.get("queue_ms")
-        record.inference_ms = result.timings.get("inference_ms")
-        if result.headers.get("x-cache", "bypass") != "bypass":
-            record.cache_hits = int(result.headers.get("x-cache-hits", 0))
-            record.cache_misses = int(result.headers.get("x-cache-misses", 0))
+        record.tokens = sum(result.n_tokens)
+        record.queue_ms = result.queue_ms
+        record.inference_ms = result.inference_ms
+        if result.cache_hits is not None and not result.cache_bypassed:
+            record.cache_hits = result.cache_hits
+            record.cache_misses = len(job.texts) - result.cache_hits
             cost = self.telemetry.cost
             if record.cache_hits and cost is not None:
                 record.saved_cache_ms = record.cache_hits * cost.alone_ms(record.tokens / record.texts)

@@ -18,8 +18,8 @@ import psutil
 import pytest
 from conftest import SERVER_STAGES, Server, run_server
 
+from benchmarks.reliability.badinput import MB, Case, cases, send, send_huge
 from common.engine import Engine
-from loadtests.badinput import MB, Case, cases, send, send_huge
 
 CASES = cases()
 

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from common import corpus
 from common.engine import Engine, TokenizedText, l2_normalize
 from common.settings import Settings
+from stage0_script import corpus
 from stage3_batching.batcher import Batcher, BatchOutcome, BatchRecord, DeadlineExceeded, length_buckets
 
 SHORT = 5.0  # seconds: generous for "it happens" on a busy machine; never elapses when the code is right

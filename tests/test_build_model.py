@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from common.build_model import (
+from common.settings import Settings
+from stage0_script.build_model import (
     GATE_MEAN_COSINE,
     gate_failures,
     packaged_model_dir,
@@ -18,7 +19,6 @@ from common.build_model import (
     source_fingerprint,
     up_to_date,
 )
-from common.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 STSB = REPO.parent / "shared" / "data" / "stsb" / "sts-dev.csv"
@@ -49,7 +49,7 @@ def test_manifest_records_the_build(settings: Settings) -> None:
 
 def test_second_run_does_nothing(settings: Settings) -> None:
     before = {p: p.stat().st_mtime_ns for p in settings.model_dir.rglob("*") if p.is_file()}
-    args = [sys.executable, "-m", "common.build_model"] + (["--stsb", str(STSB)] if STSB.exists() else [])
+    args = [sys.executable, "-m", "stage0_script.build_model"] + (["--stsb", str(STSB)] if STSB.exists() else [])
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "up to date" in proc.stdout
@@ -112,7 +112,7 @@ def test_model_option_builds_another_bert_encoder(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "common.build_model",
+            "stage0_script.build_model",
             "--model",
             str(src),
             "--out-root",

@@ -92,7 +92,7 @@ def test_the_checks_catch_a_removed_marker_and_a_missing_result(tmp_path: Path) 
 
 
 def test_the_settings_table_is_generated_from_the_current_settings() -> None:
-    assert settings_doc.main(["--check"]) == 0, "run `python -m common.settings_doc` and commit the result"
+    assert settings_doc.main(["--check"]) == 0, "run `python -m benchmarks.settings_doc` and commit the result"
     assert f"`{'MAX_QUEUE'}`" in (DOCS / "results" / "settings.md").read_text()
 
 
@@ -103,13 +103,13 @@ def test_the_settings_check_fails_on_a_stale_table(tmp_path: Path) -> None:
 
 
 def test_tables_rendered_from_json_results_are_current() -> None:
-    assert docs_tables.main(["--check"]) == 0, "run `python -m common.docs_tables` and commit the result"
+    assert docs_tables.main(["--check"]) == 0, "run `python -m benchmarks.docs_tables` and commit the result"
 
 
 def test_the_quantization_tables_match_their_json() -> None:
     report = json.loads((DOCS / "results" / "quantization.json").read_text())
     table = (DOCS / "results" / "quantization.md").read_text()
-    assert quant_study.markdown(report) == table, "run `python -m common.quant_study --render`"
+    assert quant_study.markdown(report) == table, "run `python -m stage0_script.quant_study --render`"
 
 
 def test_the_tables_check_fails_on_a_stale_table(tmp_path: Path) -> None:

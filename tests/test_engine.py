@@ -7,10 +7,10 @@ import random
 import numpy as np
 import pytest
 
-from common import corpus
-from common.build_model import packaged_model_dir
 from common.engine import Engine, l2_normalize
 from common.settings import Settings
+from stage0_script import corpus
+from stage0_script.build_model import packaged_model_dir
 
 # Measured on this project's machines (docs/stage0.md): dynamic INT8 computes activation
 # scales per call, so a padded batch changes a text's vector; never below this cosine.

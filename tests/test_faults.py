@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import SERVER_STAGES
 
-from loadtests import faults, reliability
+from benchmarks.reliability import faults, reliability
 
 STAGES = [s for s in SERVER_STAGES if s in ("stage4_cache_backpressure", "stage5_metrics")]
 

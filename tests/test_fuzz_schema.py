@@ -12,7 +12,7 @@ import httpx
 import pytest
 from conftest import SERVER_STAGES, Server
 
-from loadtests.fuzz import fuzz_server
+from benchmarks.reliability.fuzz import fuzz_server
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "25"))
 

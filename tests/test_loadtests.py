@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.compare_report import add_ratios
 from common.serve import available_stages
 from loadtests.harness import Profile, classify_failures, percentile
-from loadtests.report import add_ratios
 from tests.conftest import REPO, free_port
 
 USER_CLASSES = (
@@ -251,7 +251,7 @@ def test_quick_compare_writes_complete_results(tmp_path: Path) -> None:
     """`make compare QUICK=1`, shortened: every stage, every chosen profile, every figure."""
     stages = available_stages()
     command = [
-        sys.executable, "-m", "loadtests.compare", "--quick", "--duration", "2", "--warmup", "0.5",
+        sys.executable, "-m", "benchmarks.compare", "--quick", "--duration", "2", "--warmup", "0.5",
         "--ceiling-seconds", "0.2", "--users", "8",
         "--out", str(tmp_path), "--img", str(tmp_path / "img"), "--raw", str(tmp_path / "raw"),
     ]  # fmt: skip
@@ -296,7 +296,7 @@ def test_compare_reports_a_stage_that_fails_and_exits_nonzero(tmp_path: Path) ->
         busy.listen()
         port = busy.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "loadtests.compare", "--quick", "--stages", "1", "--port", str(port),
+            [sys.executable, "-m", "benchmarks.compare", "--quick", "--stages", "1", "--port", str(port),
              "--profiles", "unique-1", "--ceiling-seconds", "0.1", "--out", str(tmp_path),
              "--img", str(tmp_path / "img"), "--raw", str(tmp_path / "raw")],
             cwd=REPO, capture_output=True, text=True, timeout=300,

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from common import corpus
-from common.build_model import FFN_OUT, _CalibrationReader, excluded_nodes
 from common.engine import Engine
-from common.quant_study import _families
 from common.settings import Settings
-from common.smooth import smooth_matmul_inputs
+from stage0_script import corpus
+from stage0_script.build_model import FFN_OUT, _CalibrationReader, excluded_nodes
+from stage0_script.quant_study import _families
+from stage0_script.smooth import smooth_matmul_inputs
 
 
 def test_node_families_match_the_exported_graph(settings: Settings) -> None:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from conftest import run_server
 
-from loadtests.slowclients import BODY, run
+from benchmarks.reliability.slowclients import BODY, run
 
 BODY_TIMEOUT_S = 2.0
 

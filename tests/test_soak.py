@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loadtests import soak, soak_report
+from benchmarks.reliability import soak, soak_report
 
 
 def test_soak_60_seconds(tmp_path: Path) -> None:

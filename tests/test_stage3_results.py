@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 
-from loadtests.batch_report import markdown
-from loadtests.batch_sweep import batch_delta, bodies_for, load, summarize
+from benchmarks.stage3 import batch_delta, bodies_for, load, summarize
+from benchmarks.stage3_report import markdown
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results"

@@ -42,7 +42,7 @@ class GatedEngine:
 
 
 def _job(engine: Engine, texts: list[str], deadline: float | None = None, **kw: Any) -> EmbedJob:
-    return EmbedJob(texts=texts, tokens=engine.tokenize(texts), deadline=deadline, **kw)
+    return EmbedJob(texts=texts, deadline=deadline, **kw)
 
 
 def _new(text: str) -> str:
@@ -85,9 +85,8 @@ async def test_second_request_is_a_memory_hit_and_matches_the_model(make: Any, e
     first = await backend.embed(_job(engine, texts))
     second = await backend.embed(_job(engine, texts))
     partial = await backend.embed(_job(engine, [texts[0], _new("fresh text")]))
-    assert first.headers["x-cache"] == "miss" and second.headers["x-cache"] == "hit"
-    assert partial.headers["x-cache"] == "partial"
-    assert (partial.headers["x-cache-hits"], partial.headers["x-cache-misses"]) == ("1", "1")
+    assert first.cache_hits == 0 and second.cache_hits == 2  # typed fields, not headers
+    assert partial.cache_hits == 1 and not partial.cache_bypassed
     assert np.allclose(second.vectors, _expected(engine, texts), atol=1e-5)
     assert np.array_equal(first.vectors, second.vectors)
     assert sum(gated.calls) == 3  # two texts, then one fresh text; the hits never reached the model
@@ -98,7 +97,7 @@ async def test_normalize_flag_is_part_of_the_key(make: Any, engine: Engine) -> N
     text = [_new("normalize me")]
     unit = await backend.embed(_job(engine, text))
     raw = await backend.embed(_job(engine, text, normalize=False))
-    assert raw.headers["x-cache"] == "miss"
+    assert raw.cache_hits == 0
     assert np.isclose(np.linalg.norm(unit.vectors[0]), 1.0) and not np.isclose(
         np.linalg.norm(raw.vectors[0]), 1.0
     )
@@ -109,7 +108,7 @@ async def test_opt_out_skips_the_cache_but_refreshes_it(make: Any, engine: Engin
     text = [_new("opt out")]
     await backend.embed(_job(engine, text))
     bypass = await backend.embed(_job(engine, text, use_cache=False))
-    assert bypass.headers["x-cache"] == "bypass" and sum(gated.calls) == 2
+    assert bypass.cache_bypassed and sum(gated.calls) == 2
     assert backend.stats.bypassed == 1
 
 
@@ -117,7 +116,7 @@ async def test_cache_disabled_runs_the_model_every_time(make: Any, engine: Engin
     backend, gated = await make(cache_enabled=False)
     text = [_new("no cache at all")]
     for _ in range(2):
-        assert (await backend.embed(_job(engine, text))).headers["x-cache"] == "bypass"
+        assert (await backend.embed(_job(engine, text))).cache_bypassed
     assert gated.calls == [1, 1] and backend.stats.bypassed == 0  # only client opt-outs are counted
 
 
@@ -152,7 +151,7 @@ async def test_with_redis_the_leader_looks_up_once_for_everyone(
     assert gated.calls == [1]
     assert backend.stats.cache.misses["redis"] == 1 and backend.stats.cache.writes["redis"] == 1
     again = await backend.embed(_job(engine, text))
-    assert again.headers["x-cache"] == "hit" and backend.stats.cache.hits["redis"] == 1
+    assert again.cache_hits == 1 and backend.stats.cache.hits["redis"] == 1
 
 
 async def test_duplicates_inside_one_request_are_computed_once(make: Any, engine: Engine) -> None:

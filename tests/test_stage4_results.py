@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stage4_cache_backpressure.bench import S3, S4, markdown
+from benchmarks.stage4 import S3, S4, markdown
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
@@ -30,6 +30,6 @@ def test_the_results_record_the_machine_and_every_measurement() -> None:
 
 def test_the_bench_command_runs() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "stage4_cache_backpressure.bench", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "benchmarks.stage4", "--help"], capture_output=True, text=True
     )
     assert done.returncode == 0 and "docs/results/stage4" in done.stdout

@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO, Server, run_server
 from playwright.sync_api import Page, sync_playwright
 
-from common import corpus
+from stage0_script import corpus
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [

@@ -108,7 +108,7 @@ def test_metrics_reference_is_current() -> None:
     """docs/results/stage5_metrics.md is what the registry exposes (rerun the module if not)."""
     from stage5_metrics import reference
 
-    assert reference.OUT.read_text() == reference.markdown(), "run: python -m stage5_metrics.reference"
+    assert reference.OUT.read_text() == reference.markdown(), "run: python -m benchmarks.metrics_reference"
     for name in (
         "embedserve_requests_total",
         "embedserve_request_duration_seconds",

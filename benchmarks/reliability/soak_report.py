@@ -10,10 +10,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.machine import machine_info
+from loadtests.machine import machine_info
 
 if TYPE_CHECKING:
-    from loadtests.soak import SoakResult
+    from benchmarks.reliability.soak import SoakResult
 
 
 def plot(result: SoakResult, path: Path) -> None:
@@ -128,7 +128,7 @@ def _cores(payload: dict[str, Any]) -> list[str]:
 
 def redraw(out: Path, plot_path: Path) -> None:
     """Rewrite the Markdown and the plot from a soak's JSON, without running it again."""
-    from loadtests.soak import Interval, SoakResult
+    from benchmarks.reliability.soak import Interval, SoakResult
 
     payload = json.loads(out.read_text())
     out.with_suffix(".md").write_text(markdown(payload))
@@ -141,7 +141,7 @@ def redraw(out: Path, plot_path: Path) -> None:
     plot(result, plot_path)
 
 
-if __name__ == "__main__":  # python -m loadtests.soak_report docs/results/soak.json docs/img/soak.png
+if __name__ == "__main__":  # python -m benchmarks.reliability.soak_report docs/results/soak.json docs/img/soak.png
     import sys
 
     redraw(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -1,7 +1,7 @@
 """`make compare`: every server stage under the same Locust profiles, in one run, on one machine.
 
-    python -m loadtests.compare            # full: 20 s per point (run it on a quiet machine)
-    python -m loadtests.compare --quick    # a few seconds per point, to see that it all works
+    python -m benchmarks.compare            # full: 20 s per point (run it on a quiet machine)
+    python -m benchmarks.compare --quick    # a few seconds per point, to see that it all works
 
 For each stage that exists: start it with the command `make stageN` runs, warm it up, run every
 profile in ``harness.PROFILES`` as one headless Locust process, stop it. Then measure the engine
@@ -25,12 +25,13 @@ from typing import Any
 
 import psutil
 
-from common import corpus
+from benchmarks import compare_report as report
 from common.engine import Engine
 from common.serve import STAGES, available_stages, resolve
 from common.settings import Settings
-from loadtests import harness, report
+from loadtests import harness
 from loadtests.harness import COMPARE_ENV, COMPARE_WITHOUT, PROFILES, Profile
+from stage0_script import corpus
 
 CEILING_SEED = 7
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -230,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
 
     result = {
-        "command": " ".join(["python -m loadtests.compare", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(["python -m benchmarks.compare", *(sys.argv[1:] if argv is None else argv)]),
         "quick": args.quick,
         "date": started.isoformat(timespec="seconds"),
         "finished": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -1,6 +1,6 @@
 """Slow clients ("slowloris"): connections that send a request a few bytes at a time.
 
-    python -m loadtests.slowclients --url http://127.0.0.1:8000 --body 100 --headers 100
+    python -m benchmarks.reliability.slowclients --url http://127.0.0.1:8000 --body 100 --headers 100
 
 A slow client costs an asyncio server no thread and no batch slot, only a connection and a
 task. The danger is that it costs them forever. Two kinds are sent here, both while ordinary

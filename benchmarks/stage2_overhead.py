@@ -1,8 +1,8 @@
 """What the API contract costs per request, apart from the model.
 
-    python -m loadtests.overhead            # about a minute; writes docs/results/stage2_overhead.json
-    python -m loadtests.overhead --quick    # a few seconds per part, to see that it works
-    python -m loadtests.overhead --profile  # also print a cProfile of the /v1/embed path
+    python -m benchmarks.stage2_overhead            # about a minute; writes docs/results/stage2_overhead.json
+    python -m benchmarks.stage2_overhead --quick    # a few seconds per part, to see that it works
+    python -m benchmarks.stage2_overhead --profile  # also print a cProfile of the /v1/embed path
 
 Three parts:
 
@@ -39,15 +39,15 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from common import corpus
-from common.api import EmbedJob, EmbedResult, create_app, json_response, lean_route, read_body
+from common.api import EmbedJob, EmbedResult, create_app, json_response, lean_route, read_body, tokenize
 from common.engine import Engine, l2_normalize
-from common.machine import machine_info
 from common.schemas import EmbedRequest
 from common.settings import Settings
 from loadtests.harness import REPO, running_stage, settle, wait_ready
 from loadtests.httpload import post_requests, run_load
+from loadtests.machine import machine_info
 from loadtests.procs import free_port
+from stage0_script import corpus
 
 RESULTS = REPO / "docs" / "results" / "stage2_overhead.json"
 HOST = "127.0.0.1"
@@ -59,15 +59,18 @@ class NullBackend:
 
     def __init__(self, engine: Engine, settings: Settings) -> None:
         rng = np.random.default_rng(0)
+        self.engine = engine
         self.vectors = l2_normalize(rng.standard_normal((settings.max_items, engine.dimensions)))
 
     async def embed(self, job: EmbedJob) -> EmbedResult:
-        return EmbedResult(self.vectors[: len(job.texts)], timings={"inference_ms": 0.0})
+        tokens = await tokenize(self.engine, job)  # every stage tokenizes; only the model is left out
+        n = len(job.texts)
+        return EmbedResult(self.vectors[:n], [t.n_tokens for t in tokens], [t.truncated for t in tokens])
 
 
 # --8<-- [end:null_backend]
 
-null_app = create_app("null backend", NullBackend)  # `uvicorn loadtests.overhead:null_app`
+null_app = create_app("null backend", NullBackend)  # `uvicorn benchmarks.stage2_overhead:null_app`
 
 
 def _variants_app(vectors: np.ndarray) -> FastAPI:
@@ -249,7 +252,7 @@ def sockets(engine: Engine, seconds: float, clients: int) -> dict[str, Any]:
 
     port = free_port()
     log = (REPO / ".benchmarks" / f"null-{port}.log").open("wb")
-    cmd = [sys.executable, "-m", "uvicorn", "loadtests.overhead:null_app", "--host", HOST]
+    cmd = [sys.executable, "-m", "uvicorn", "benchmarks.stage2_overhead:null_app", "--host", HOST]
     server = subprocess.Popen(
         [*cmd, "--port", str(port), "--no-access-log"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
     )
@@ -362,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine.from_settings(Settings())
     engine.warmup()
     result = {
-        "command": "python -m loadtests.overhead" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.stage2_overhead" + (" --quick" if args.quick else ""),
         "machine": machine_info(),
         "components": components(engine, seconds),
         "in_process": in_process(seconds),

@@ -1,7 +1,7 @@
 """What watching costs: stage 5 against stage 4, same machine, same texts, same run.
 
-    python -m stage5_metrics.overhead            # about 3 minutes; run it on a quiet machine
-    python -m stage5_metrics.overhead --quick    # seconds per point, to see that it all runs
+    python -m benchmarks.stage5            # about 3 minutes; run it on a quiet machine
+    python -m benchmarks.stage5 --quick    # seconds per point, to see that it all runs
     make stage5-overhead                         # the same (QUICK=1 for the short one)
 
 Both servers run side by side with their default settings (stage 5 writes its JSON request
@@ -34,9 +34,9 @@ from typing import Any
 
 import psutil
 
-from common.machine import machine_info
-from loadtests.batch_sweep import bodies_for, load
+from benchmarks.stage3 import bodies_for, load
 from loadtests.harness import REPO, process_cpu, running_stage, server_env, settle
+from loadtests.machine import machine_info
 from loadtests.procs import free_port
 
 RESULTS = REPO / "docs" / "results" / "stage5_overhead.json"
@@ -69,7 +69,7 @@ def _point(pid: int, port: int, bodies: list[bytes], args: argparse.Namespace) -
 def in_process(quick: bool) -> dict[str, Any]:
     """``overhead_asgi`` in its own process: both apps, one cached request at a time, no sockets."""
     blocks = ["--blocks", "6", "--per-block", "200"] if quick else ["--blocks", "30", "--per-block", "500"]
-    command = [sys.executable, "-m", "stage5_metrics.overhead_asgi", *blocks]
+    command = [sys.executable, "-m", "benchmarks.stage5_asgi", *blocks]
     done = subprocess.run(
         command, cwd=REPO, capture_output=True, text=True, check=True, env=server_env("", 0)
     )

@@ -1,6 +1,6 @@
 """Stage 5's cost per request without the network: both apps in one process, driven through ASGI.
 
-    python -m stage5_metrics.overhead_asgi      # prints JSON; `make stage5-overhead` runs it too
+    python -m benchmarks.stage5_asgi      # prints JSON; `make stage5-overhead` runs it too
 
 Throughput over sockets moves by more than a few percent whenever anything else runs on the
 machine. Here stage 4's and stage 5's apps run in one process, one cached request at a time,

@@ -1,7 +1,7 @@
 """The soak: stage 5 with its Redis tier, at about 70% of its measured capacity, for a long time.
 
     make soak                                          # 10 minutes: docs/results/soak.json, docs/img/soak.png
-    python -m loadtests.soak --duration 60 --out /tmp/soak.json --plot /tmp/soak.png
+    python -m benchmarks.reliability.soak --duration 60 --out /tmp/soak.json --plot /tmp/soak.png
 
 Steps: start a private redis-server and stage 5 with CACHE_URL pointing at it; measure
 capacity (closed loop, 16 clients, the same traffic; the lowest of three 4-second windows,
@@ -43,12 +43,12 @@ import orjson
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from common import corpus
+from benchmarks.reliability.soak_report import plot, write
 from loadtests.httpload import Connections
 from loadtests.procs import redis_server, stage_process
-from loadtests.soak_report import plot, write
+from stage0_script import corpus
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "docs/results/soak.json"
 DEFAULT_PLOT = REPO / "docs/img/soak.png"
 STAGE = "stage5_metrics"
@@ -375,13 +375,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as logs:
         result = run(args.duration, Path(logs), load_factor=args.load)
     # The command that reproduces this file, recorded in it.
-    command = f"python -m loadtests.soak --duration {args.duration:g}"
+    command = f"python -m benchmarks.reliability.soak --duration {args.duration:g}"
     if args.load != LOAD_FACTOR:
         command += f" --load {args.load:g}"
     for flag, value, default in (("--out", args.out, DEFAULT_OUT), ("--plot", args.plot, DEFAULT_PLOT)):
         if value.resolve() != default:
             command += f" {flag} {value}"
-    if command == "python -m loadtests.soak --duration 600":
+    if command == "python -m benchmarks.reliability.soak --duration 600":
         command = "make soak"
     write(result, args.out, command, STAGE)
     plot(result, args.plot)

@@ -24,14 +24,14 @@ from typing import Any
 import httpx
 import psutil
 
-from common.machine import machine_info
+from benchmarks.reliability import faults, slowclients
+from benchmarks.reliability.badinput import MB, cases, send, send_huge
+from benchmarks.reliability.fuzz import fuzz_server
 from common.serve import available_stages
-from loadtests import faults, slowclients
-from loadtests.badinput import MB, cases, send, send_huge
-from loadtests.fuzz import fuzz_server
+from loadtests.machine import machine_info
 from loadtests.procs import stage_process
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FAULT_STAGES = ("stage4_cache_backpressure", "stage5_metrics")
 BODY_TIMEOUT_S = 2.0  # shorter than the default 15 s, so the slow-client scenario takes seconds
 

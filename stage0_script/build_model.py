@@ -1,6 +1,6 @@
 """Build the served model: export to ONNX fp32 with optimum, quantize to INT8, check quality.
 
-    python -m common.build_model [--model PATH_OR_HUB_ID] [--stsb sts-dev.csv] [--force]
+    python -m stage0_script.build_model [--model PATH_OR_HUB_ID] [--stsb sts-dev.csv] [--force]
 
 Writes ``models/<name>/`` (git-ignored)::
 
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common import corpus
 from common.settings import REPO_ROOT
+from stage0_script import corpus
 
 if TYPE_CHECKING:
     from common.engine import Engine
@@ -40,12 +40,14 @@ BUILD_VERSION = 4  # bump when the build recipe changes, so old folders are rebu
 QUALITY_SENTENCES = 240
 GATE_MEAN_COSINE = 0.99
 GATE_STSB_POINTS = 1.0
+# The STS-benchmark dev pairs shipped with the repository (data/stsb/README.md: source and licence).
+STSB_CSV = REPO_ROOT / "data" / "stsb" / "sts-dev.csv"
 
 
 # --8<-- [start:recipe]
 @dataclass(frozen=True)
 class StaticRecipe:
-    """How static INT8 is made; `python -m common.quant_study` compares recipes."""
+    """How static INT8 is made; `python -m stage0_script.quant_study` compares recipes."""
 
     calibration: str = "Percentile"  # MinMax, Entropy or Percentile (ORT CalibrationMethod)
     percentile: float = 99.999
@@ -55,7 +57,7 @@ class StaticRecipe:
     exclude: tuple[str, ...] = ()  # regexes of node names that stay fp32
     pad_calibration: bool = True  # calibrate on texts padded to the longest, or each at its length
     symmetric_ranges: bool | None = None  # calibrated ranges symmetric around 0 (None: ORT's default)
-    smooth_alpha: float | None = None  # SmoothQuant on the MatMuls after GELU (common/smooth.py)
+    smooth_alpha: float | None = None  # SmoothQuant on the MatMuls after GELU (stage0_script/smooth.py)
 
     def describe(self) -> str:
         calib = self.calibration + (f" p{self.percentile}" if self.calibration == "Percentile" else "")
@@ -238,7 +240,7 @@ def quantize_static(
     with tempfile.TemporaryDirectory(prefix="smooth-") as tmp:
         source = fp32
         if recipe.smooth_alpha is not None:
-            from common.smooth import smooth_matmul_inputs
+            from stage0_script.smooth import smooth_matmul_inputs
 
             source = Path(tmp) / "smoothed.onnx"
             feeds = _CalibrationReader(tokenizer_path, max_tokens, texts, pad=False)
@@ -444,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--name", help="folder name under models/ (default: from the source)")
     parser.add_argument("--out-root", type=Path, default=REPO_ROOT / "models")
-    parser.add_argument("--stsb", type=Path, help="STS-benchmark csv (sentence1,sentence2,score)")
+    parser.add_argument(
+        "--stsb", type=Path, default=STSB_CSV, help="STS-benchmark csv (sentence1,sentence2,score)"
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
     args = parser.parse_args(argv)
     source = args.model or str(packaged_model_dir())

@@ -2,7 +2,7 @@
 
 Each scenario starts its own server (and its own redis-server), injects one fault while
 clients are sending, and returns what happened as plain numbers. ``tests/test_faults.py``
-asserts on them; ``python -m loadtests.reliability`` writes them to the docs.
+asserts on them; ``python -m benchmarks.reliability.reliability`` writes them to the docs.
 
 * ``redis_restart``: the memory tier is off (CACHE_MAX_ITEMS=0), so every request goes
   through Redis; Redis is SIGKILLed mid-load and started again. Requests must not fail
@@ -32,8 +32,8 @@ import httpx
 import numpy as np
 import redis as redis_client
 
-from common import corpus
 from loadtests.procs import StageProcess, free_port, redis_server, stage_process
+from stage0_script import corpus
 
 
 @dataclass(slots=True)

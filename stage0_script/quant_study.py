@@ -1,6 +1,6 @@
 """How good can static INT8 get? Quantize recipes and measure each against fp32 and dynamic INT8.
 
-    python -m common.quant_study --stsb ../shared/data/stsb/sts-dev.csv      (= make quant-study)
+    python -m stage0_script.quant_study      (= make quant-study; STS-B pairs from data/stsb/)
 
 Each static recipe (calibration method, padding, format, activation type, nodes kept in fp32)
 is quantized from the built fp32 model into a temporary folder and measured like the build's
@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from common import build_model, corpus
-from common.build_model import StaticRecipe
 from common.engine import Engine
-from common.machine import machine_info
 from common.settings import REPO_ROOT, get_settings
+from loadtests.machine import machine_info
+from stage0_script import build_model, corpus
+from stage0_script.build_model import STSB_CSV, StaticRecipe
 
 RESULTS = REPO_ROOT / "docs" / "results"
 SPEED_MARGIN = 1.05  # static must beat dynamic by this factor to become the default (beyond noise)
@@ -370,7 +370,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         speed(study, names, rounds=1 if args.quick else 3)
         results = study.results
     report: dict[str, Any] = {
-        "command": "python -m common.quant_study" + (" --stsb <sts-dev.csv>" if args.stsb else ""),
+        "command": "python -m stage0_script.quant_study" + (" --stsb <sts-dev.csv>" if args.stsb else ""),
         "machine": machine_info(),
         "gates": {"mean_cosine": build_model.GATE_MEAN_COSINE, "stsb_points": build_model.GATE_STSB_POINTS},
         "sentences": len(study.sentences),
@@ -385,7 +385,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=get_settings().model_dir)
-    parser.add_argument("--stsb", type=Path, help="STS-benchmark csv (sentence1,sentence2,score)")
+    parser.add_argument(
+        "--stsb", type=Path, default=STSB_CSV, help="STS-benchmark csv (sentence1,sentence2,score)"
+    )
     parser.add_argument("--stsb-limit", type=int, help="use only the first N pairs (quick checks)")
     parser.add_argument("--quick", action="store_true", help="a few recipes, one speed round (smoke test)")
     parser.add_argument("--out", type=Path, default=RESULTS / "quantization.json")

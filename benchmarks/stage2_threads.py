@@ -1,7 +1,7 @@
 """Stage 2's two thread settings, measured together: WORKER_THREADS x ONNX_INTRA_THREADS (x spinning).
 
-    python -m loadtests.threads_sweep            # about 9 minutes; run it on a quiet machine
-    python -m loadtests.threads_sweep --quick    # about a minute, to see that it works
+    python -m benchmarks.stage2_threads            # about 9 minutes; run it on a quiet machine
+    python -m benchmarks.stage2_threads --quick    # about a minute, to see that it works
 
 The pool runs WORKER_THREADS model calls at once and each call uses ONNX_INTRA_THREADS
 threads (0: ONNX Runtime's default, one per core), so on 2 cores ``2 x 2`` asks for four
@@ -26,12 +26,12 @@ from typing import Any
 
 import orjson
 
-from common import corpus
-from common.machine import machine_info
 from common.settings import Settings
 from loadtests.harness import REPO, running_stage, settle
 from loadtests.httpload import post_requests, run_load
+from loadtests.machine import machine_info
 from loadtests.procs import free_port
+from stage0_script import corpus
 
 RESULTS = REPO / "docs" / "results" / "stage2_threads.json"
 PLOT = REPO / "docs" / "img" / "stage2_threads.png"
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     seconds, warmup, rounds = (2.0, 0.5, 1) if args.quick else (args.duration, 1.0, args.rounds)
     (REPO / ".benchmarks").mkdir(exist_ok=True)
     points = sweep(seconds, warmup, CLIENTS, rounds)
-    command = "python -m loadtests.threads_sweep" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks.stage2_threads" + (" --quick" if args.quick else "")
     result = {
         "command": command,
         "machine": machine_info(),

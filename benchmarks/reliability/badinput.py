@@ -1,7 +1,7 @@
 """Hand-written hostile inputs, and how to send each one to a running server.
 
 One catalogue for two users: ``tests/test_bad_input.py`` asserts on every case against
-every stage, and ``python -m loadtests.reliability`` counts them for the docs. Each case
+every stage, and ``python -m benchmarks.reliability.reliability`` counts them for the docs. Each case
 says which statuses are a correct answer; a 500, a dropped connection or a dead server
 is never one. A 200 must hold the vectors of exactly the texts sent (``texts``).
 

@@ -12,7 +12,7 @@ answer is added to those that count as rejecting schema-breaking input: 413, for
 over MAX_BODY_BYTES (a 500-example run generated a 2.4 MB string, over ``maxLength``
 and over the body limit; the size is checked first, and 413 is the documented answer).
 
-    python -m loadtests.fuzz http://127.0.0.1:8000 --examples 500
+    python -m benchmarks.reliability.fuzz http://127.0.0.1:8000 --examples 500
 """
 
 from __future__ import annotations

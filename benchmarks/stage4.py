@@ -29,9 +29,9 @@ import numpy as np
 import redis
 import redis.asyncio as aioredis
 
-from common import corpus
-from common.machine import machine_info
 from loadtests.harness import REPO, running_stage
+from loadtests.machine import machine_info
+from stage0_script import corpus
 
 S3, S4 = "stage3_batching", "stage4_cache_backpressure"
 OUT = REPO / "docs" / "results"

@@ -1,7 +1,7 @@
 """Stage 3's measurements: the targets against stage 2 and the engine, and where batching stops paying.
 
-    python -m loadtests.batch_sweep            # about 8 minutes; run it on a quiet machine
-    python -m loadtests.batch_sweep --quick    # a few seconds per point, to see that it all works
+    python -m benchmarks.stage3            # about 8 minutes; run it on a quiet machine
+    python -m benchmarks.stage3 --quick    # a few seconds per point, to see that it all works
 
 Writes docs/results/stage3_sweep.json, docs/results/stage3.md (the tables the chapter includes)
 and docs/img/stage3_sweep.png. One run, one machine:
@@ -37,14 +37,14 @@ import httpx
 import numpy as np
 import orjson
 
-from common import corpus
+from benchmarks.compare import engine_ceiling
+from benchmarks.stage3_report import markdown, plot
 from common.engine import Engine
-from common.machine import machine_info
 from common.settings import Settings
-from loadtests.batch_report import markdown, plot
-from loadtests.compare import engine_ceiling
 from loadtests.harness import REPO, running_stage, settle
 from loadtests.httpload import post_requests, run_load
+from loadtests.machine import machine_info
+from stage0_script import corpus
 from stage3_batching.batcher import Batcher
 
 RESULTS_DIR = REPO / "docs" / "results"
