@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -52,9 +52,9 @@ __all__ = [
     "EmbedResult",
     "LeanRoute",
     "OpenAIEmbeddingRequest",
+    "check_truncation",
     "create_app",
     "json_response",
-    "check_truncation",
     "lean_route",
     "read_body",
     "tokenize",

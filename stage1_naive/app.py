@@ -30,9 +30,7 @@ class NaiveBackend:
         inference_ms = (time.perf_counter() - started) * 1e3
         if job.normalize:
             vectors = l2_normalize(vectors)
-        return EmbedResult(
-            vectors, [t.n_tokens for t in tokens], [t.truncated for t in tokens], inference_ms
-        )
+        return EmbedResult(vectors, [t.n_tokens for t in tokens], [t.truncated for t in tokens], inference_ms)
 
 
 # --8<-- [end:backend]

@@ -40,9 +40,7 @@ class ThreadPoolBackend(NaiveBackend):
         inference_ms = (time.perf_counter() - started) * 1e3
         if job.normalize:
             vectors = l2_normalize(vectors)
-        return EmbedResult(
-            vectors, [t.n_tokens for t in tokens], [t.truncated for t in tokens], inference_ms
-        )
+        return EmbedResult(vectors, [t.n_tokens for t in tokens], [t.truncated for t in tokens], inference_ms)
 
     async def close(self) -> None:
         self.pool.shutdown(wait=True)

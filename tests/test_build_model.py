@@ -49,7 +49,9 @@ def test_manifest_records_the_build(settings: Settings) -> None:
 
 def test_second_run_does_nothing(settings: Settings) -> None:
     before = {p: p.stat().st_mtime_ns for p in settings.model_dir.rglob("*") if p.is_file()}
-    args = [sys.executable, "-m", "stage0_script.build_model"] + (["--stsb", str(STSB)] if STSB.exists() else [])
+    args = [sys.executable, "-m", "stage0_script.build_model"] + (
+        ["--stsb", str(STSB)] if STSB.exists() else []
+    )
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "up to date" in proc.stdout

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from common import docs_tables, quant_study, settings_doc
+from benchmarks import docs_tables, settings_doc
+from stage0_script import quant_study
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -92,7 +93,9 @@ def test_the_checks_catch_a_removed_marker_and_a_missing_result(tmp_path: Path) 
 
 
 def test_the_settings_table_is_generated_from_the_current_settings() -> None:
-    assert settings_doc.main(["--check"]) == 0, "run `python -m benchmarks.settings_doc` and commit the result"
+    assert settings_doc.main(["--check"]) == 0, (
+        "run `python -m benchmarks.settings_doc` and commit the result"
+    )
     assert f"`{'MAX_QUEUE'}`" in (DOCS / "results" / "settings.md").read_text()
 
 

@@ -141,7 +141,9 @@ def redraw(out: Path, plot_path: Path) -> None:
     plot(result, plot_path)
 
 
-if __name__ == "__main__":  # python -m benchmarks.reliability.soak_report docs/results/soak.json docs/img/soak.png
+if (
+    __name__ == "__main__"
+):  # python -m benchmarks.reliability.soak_report docs/results/soak.json docs/img/soak.png
     import sys
 
     redraw(Path(sys.argv[1]), Path(sys.argv[2]))
