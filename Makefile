@@ -150,3 +150,15 @@ soak: setup
 ## reliability: bad input, fuzz and faults against every stage, counted (docs/results/reliability.json)
 reliability: setup
 	$(PY) -m benchmarks.reliability.reliability $(ARGS)
+
+# --- exercises: build the key piece of stages 2, 3 and 4 yourself (exercises/README.md) -------
+# The stage's own tests, run against your file (or, with SOLUTION=1, against the stage itself).
+EXERCISE_TESTS_2 := tests/test_event_loop.py tests/test_contract.py tests/test_equivalence.py
+EXERCISE_STAGE_2 := stage2_threadpool
+.PHONY: exercise
+
+## exercise: run stage STAGE's own tests against exercises/ (SOLUTION=1: against the stage itself)
+exercise: setup
+	@test -n "$(EXERCISE_TESTS_$(STAGE))" || (echo "STAGE=$(STAGE): exercises exist for stages 2, 3 and 4" >&2; exit 2)
+	STAGES=$(if $(SOLUTION),,exercises.)$(EXERCISE_STAGE_$(STAGE)) $(if $(SOLUTION),,EXERCISE=1) \
+		$(PY) -m pytest -p no:cacheprovider -q $(if $(SOLUTION),,-x) $(EXERCISE_TESTS_$(STAGE)) $(ARGS)

@@ -44,6 +44,14 @@ def _read_status(sock: socket.socket) -> int:
     return int(data.split(b" ", 2)[1])
 
 
+def _answer(sock: socket.socket) -> str:
+    """The status line and the start of the body, for a failure message."""
+    sock.settimeout(5)
+    data = sock.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    return (head.split(b"\r\n", 1)[0] + b" " + body[:300]).decode(errors="replace")
+
+
 def _cpu_seconds(pid: int) -> float:
     times = psutil.Process(pid).cpu_times()
     return float(times.user + times.system)
@@ -70,7 +78,7 @@ def test_health_waits_only_on_the_naive_stage(stage: str, stage_server) -> None:
     deadline = time.monotonic() + 120
     while _cpu_seconds(server.process.pid) - before < BUSY_CPU_S:
         ready, _, _ = select.select([a], [], [], 0.005)
-        assert not ready, "the long request finished before the server looked busy; make it longer"
+        assert not ready, f"the long request was answered before the server looked busy: {_answer(a)}"
         assert time.monotonic() < deadline, "the server never started computing"
     b = _send(address, health_request)
 
