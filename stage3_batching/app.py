@@ -2,9 +2,11 @@
 
 Stage 2 made one model call per request; on a CPU each call pays a fixed cost (thread
 hand-offs, kernel launches, small matrices that use the cores badly). Here every request
-hands its texts to one ``Batcher`` (``batcher.py``), which groups them by queue-depth tier,
-token budget and length, runs each batch in an executor thread (BATCH_CONCURRENCY of them
-side by side) and answers every caller.
+hands its texts to one batcher, which runs them in batches in an executor thread
+(BATCH_CONCURRENCY batches side by side) and answers every caller. ``batcher.py`` is the
+textbook batcher; the server runs it with four refinements, each a subclass overriding one of
+its hooks and each switchable by its setting: load tiers (``tiers.py``), length grouping
+(``grouping.py``), length buckets (``buckets.py``) and failure isolation (``isolation.py``).
 
     make stage3   # MAX_BATCH_SIZE, MAX_BATCH_TOKENS, BATCH_WINDOW_MS, ... from the environment
 
@@ -24,6 +26,23 @@ from common.engine import Engine, l2_normalize
 from common.limits import APIError
 from common.settings import Settings
 from stage3_batching.batcher import Batcher, BatchRecord
+from stage3_batching.buckets import LengthBuckets
+from stage3_batching.grouping import GroupByLength
+from stage3_batching.isolation import IsolateFailures
+from stage3_batching.tiers import LoadTiers
+
+
+# --8<-- [start:compose]
+# NEW: the textbook batcher with the four refinements, in the order the chapter adds them (read
+# right to left). Python's mixin idiom, as in socketserver's ThreadingTCPServer: a hook is looked
+# up left to right, and a refinement whose setting is off hands it on with super(). The settings:
+# BATCH_LOW_THRESHOLD=1 (no LOW tier), GROUP_BY_LENGTH=false, SPLIT_BY_LENGTH=false; failure
+# isolation has none, it is always on.
+class RefinedBatcher(IsolateFailures, LengthBuckets, GroupByLength, LoadTiers, Batcher):
+    """The batcher stage 3 serves with (stages 4 and 5 too, through ``BatchingBackend``)."""
+
+
+# --8<-- [end:compose]
 
 
 # --8<-- [start:backend]
@@ -33,7 +52,7 @@ class BatchingBackend:
     ) -> None:
         self.engine = engine
         # NEW: one batcher owns the model; requests queue for it instead of calling it.
-        self.batcher = Batcher(engine.run, settings, on_batch=on_batch)
+        self.batcher = RefinedBatcher(engine.run, settings, on_batch=on_batch)
 
     async def start(self) -> None:
         await self.batcher.start()

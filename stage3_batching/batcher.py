@@ -1,17 +1,17 @@
-"""Dynamic batching: many requests' texts, one model call.
+"""The textbook dynamic batcher: many requests' texts, one model call.
 
-Each request puts its texts in one queue (``batch_queue.py``) with one future and awaits
-it. One background task takes batches from the queue and runs each in an executor thread
-(the event loop stays free), up to BATCH_CONCURRENCY batches at once, and resolves the
-futures. The next batch is formed only when a model slot is free, so texts that arrive
-while every slot is busy make the next batch fuller instead of waiting in a second line.
+A request puts its texts in one queue with one future (``pending.py``) and awaits it. One
+background task waits for a first text, then up to BATCH_WINDOW_MS (from the oldest text's
+arrival) for a full batch, takes the oldest texts that fit MAX_BATCH_SIZE and MAX_BATCH_TOKENS,
+and runs them in an executor thread, BATCH_CONCURRENCY batches side by side. Each caller gets
+its own rows; if the model raises, every caller of that batch gets the error; a caller that is
+gone (cancelled, past its deadline) is dropped before the model. That is the whole idea (Ray
+Serve's ``batching.py`` has the same shape) and a working batcher on its own.
 
-* Tiers: below BATCH_LOW_THRESHOLD queued texts a batch goes at once; at MEDIUM and
-  HIGH depth it waits up to BATCH_WINDOW_MS (from the oldest text's arrival) to fill.
-* Length buckets (SPLIT_BY_LENGTH): a batch runs as a few model calls of similar lengths
-  when the padding saved is worth more than the extra calls (CALL_OVERHEAD_TOKENS).
-* Failures: a call that raises is split in halves until the guilty text is alone, so
-  only its caller gets the error; the loop logs and carries on, no future is left pending.
+The refinements the chapter adds one at a time are subclasses that override a hook here:
+``tier``/``window_s`` (how long a batch waits: tiers.py), ``_take`` (which texts form the next
+batch: grouping.py), ``_compute``/``_run_rows`` (what the model thread does with a batch:
+buckets.py, isolation.py). ``app.py`` composes them into the batcher the server runs.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -30,24 +30,19 @@ import numpy as np
 from common.engine import TokenizedText
 from common.limits import APIError
 from common.settings import Settings
-from stage3_batching.batch_queue import BatchQueue, DeadlineExceeded, PendingRequest, QueuedText
+from stage3_batching.pending import BatchOutcome, DeadlineExceeded, PendingRequest, QueuedText
 from stage3_batching.stats import BatcherStats, BatchRecord
 
-__all__ = ["BatchOutcome", "BatchRecord", "Batcher", "BatcherStats", "DeadlineExceeded"]
+__all__ = ["BatchOutcome", "BatchRecord", "Batcher", "BatcherStats", "Computed", "DeadlineExceeded"]
 log = logging.getLogger("embedserve.batcher")
 CONFIG = ("max_batch_size", "max_batch_tokens", "batch_concurrency", "batch_window_ms",
           "batch_low_threshold", "batch_high_threshold", "group_by_length", "group_window",
           "split_by_length", "call_overhead_tokens")  # fmt: skip
 
 
-@dataclass(slots=True)
-class BatchOutcome:
-    """What ``submit`` returns: raw mean-pooled vectors (not normalized) in the caller's order."""
-
-    vectors: np.ndarray
-    queue_ms: float  # longest wait of the caller's texts
-    inference_ms: float  # summed over the caller's batches
-    batch_sizes: list[int]
+def fits(n: int, longest: int, s: Settings) -> bool:
+    """Whether ``n`` texts padded to ``longest`` tokens fit one batch."""
+    return n <= s.max_batch_size and n * longest <= s.max_batch_tokens
 
 
 # --8<-- [start:submit]
@@ -61,7 +56,7 @@ class Batcher:
     ) -> None:
         self._run, self.settings, self._on_batch = run, settings, on_batch
         self.stats = BatcherStats()
-        self._queue = BatchQueue(settings, self.stats)
+        self._queue: deque[QueuedText] = deque()  # arrival order
         self._wakeup = asyncio.Event()
         self._idle = True  # the loop waits for a first text
         self._closing = False
@@ -77,10 +72,10 @@ class Batcher:
             return BatchOutcome(np.zeros((0, 0), np.float32), 0.0, 0.0, [])
         loop = asyncio.get_running_loop()
         req = PendingRequest(loop.create_future(), len(tokens), deadline)
-        self._queue.fresh.extend(QueuedText(req, i, t.ids, len(t.ids)) for i, t in enumerate(tokens))
+        self._queue.extend(QueuedText(req, i, t.ids, t.n_tokens) for i, t in enumerate(tokens))
         if deadline is not None:
             req.timer = loop.call_later(max(deadline - time.monotonic(), 0), self._expire, req)
-        if self._idle or len(self._queue.fresh) >= self.settings.max_batch_size:
+        if self._idle or len(self._queue) >= self.settings.max_batch_size:
             self._wakeup.set()  # wake the loop only when it has something to decide
         try:
             return await req.future  # cancelled with the caller: its queued texts are skipped
@@ -107,9 +102,13 @@ class Batcher:
         return {key: getattr(self.settings, key) for key in CONFIG}
 
     def tier(self, depth: int) -> str:
-        if depth < self.settings.batch_low_threshold:
-            return "low"
-        return "medium" if depth < self.settings.batch_high_threshold else "high"
+        """The load tier a batch counts under. One here: every batch may wait the window, what
+        ``LoadTiers`` (tiers.py) calls MEDIUM."""
+        return "medium"
+
+    def window_s(self, tier: str) -> float:
+        """How long a batch may wait for more texts, counted from its oldest text's arrival."""
+        return self.settings.batch_window_ms / 1e3
 
     async def start(self) -> None:
         # A thread per model slot: BATCH_CONCURRENCY batches side by side, no more.
@@ -123,58 +122,51 @@ class Batcher:
         self._wakeup.set()
         if self._task is not None:
             await asyncio.wait([self._task])
-        for text in self._queue.drain():  # only if the loop died: nobody waits forever
+        for text in self._drain():  # only if the loop died: nobody waits forever
             text.req.fail(APIError(503, "the server is shutting down"))
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+    def _drain(self) -> list[QueuedText]:
+        left = list(self._queue)
+        self._queue.clear()
+        return left
 
     # --8<-- [start:loop]
     async def _loop(self, slots: asyncio.Semaphore) -> None:
         running: set[asyncio.Task[None]] = set()
         while True:
+            await slots.acquire()  # a free model slot first; meanwhile the queue fills
             batch: list[QueuedText] = []
             try:
-                await slots.acquire()  # a free model slot first; meanwhile the queue fills
                 tier = await self._wait_for_batch()
                 if tier is None:  # closing, and nothing is left: let the running batches finish
-                    slots.release()
                     await asyncio.gather(*running)
                     return
-                batch = self._queue.take()
-                if not batch:
-                    slots.release()
+                batch = self._take()
+                if batch:
+                    for text in batch:
+                        text.req.taken += 1  # in a batch now: a deadline no longer stops it
+                    task = asyncio.create_task(self._run_in_slot(batch, tier, slots))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
                     continue
-                task = asyncio.create_task(self._run_in_slot(batch, tier, slots))
-                running.add(task)
-                task.add_done_callback(running.discard)
             except Exception as exc:  # never die: answer this batch's callers, keep serving
                 _fail(batch, exc)
-
-    async def _run_in_slot(self, batch: list[QueuedText], tier: str, slots: asyncio.Semaphore) -> None:
-        try:
-            await self._run_batch(batch, tier)
-        except Exception as exc:  # answer this batch's callers; the loop keeps serving
-            _fail(batch, exc)
-        finally:
-            slots.release()
+            slots.release()  # nothing to run: every caller in it was gone
 
     async def _wait_for_batch(self) -> str | None:
-        """Wait for a first text; at MEDIUM/HIGH depth, wait up to the window for a full batch."""
-        queue = self._queue.fresh
-        if self._queue.has_cut_batches:  # batches cut earlier have waited already
-            return self.tier(self.queue_depth)
-        while not queue:
+        """Wait for a first text, then up to the window for a full batch. None: closing, queue empty."""
+        while not self._queue:
             if self._closing:
                 return None
             self._idle = True
             self._wakeup.clear()
             await self._wakeup.wait()
         self._idle = False
-        tier = self.tier(len(queue))
-        if tier == "low":
-            return tier  # a lone request is not held hostage for friends that may never come
-        window_end = queue[0].req.enqueued + self.settings.batch_window_ms / 1e3
-        while len(queue) < self.settings.max_batch_size and not self._closing:
+        tier = self.tier(len(self._queue))
+        window_end = self._queue[0].req.enqueued + self.window_s(tier)
+        while len(self._queue) < self.settings.max_batch_size and not self._closing:
             left = window_end - time.perf_counter()
             if left <= 0:
                 break
@@ -186,14 +178,48 @@ class Batcher:
 
     # --8<-- [end:loop]
 
+    # --8<-- [start:take]
+    def _take(self) -> list[QueuedText]:
+        """The next batch: the oldest texts that fit MAX_BATCH_SIZE and MAX_BATCH_TOKENS."""
+        batch: list[QueuedText] = []
+        longest = 0
+        while self._queue:
+            text = self._queue[0]
+            if not self._still_wanted(text):
+                self._queue.popleft()
+                continue
+            if batch and not fits(len(batch) + 1, max(longest, text.n_tokens), self.settings):
+                break  # (a text over the token budget still runs: alone)
+            batch.append(self._queue.popleft())
+            longest = max(longest, text.n_tokens)
+        return batch
+
+    def _still_wanted(self, text: QueuedText) -> bool:
+        """False for a text whose caller is gone (cancelled, past its deadline, failed): it is dropped."""
+        req = text.req
+        if req.deadline is not None and time.monotonic() > req.deadline:
+            req.expire()
+        if req.future.done():
+            self.stats.skipped_texts += 1
+            return False
+        return True
+
+    # --8<-- [end:take]
+
     # --8<-- [start:run]
+    async def _run_in_slot(self, batch: list[QueuedText], tier: str, slots: asyncio.Semaphore) -> None:
+        try:
+            await self._run_batch(batch, tier)
+        except Exception as exc:  # answer this batch's callers; the loop keeps serving
+            _fail(batch, exc)
+        finally:
+            slots.release()
+
     async def _run_batch(self, batch: list[QueuedText], tier: str) -> None:
         started = time.perf_counter()
         self._in_flight += 1
         try:  # NEW: the model runs in an executor thread; the event loop keeps serving
-            done = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._compute, [t.ids for t in batch], [id(t.req) for t in batch]
-            )
+            done = await asyncio.get_running_loop().run_in_executor(self._pool, self._compute, batch)
         finally:
             self._in_flight -= 1
         record = BatchRecord(
@@ -206,27 +232,11 @@ class Batcher:
             error=next((type(e).__name__ for e in done.errors.values()), None),
             calls=done.calls,
         )
-        vectors, errors = done.vectors, done.errors
         for row, text in enumerate(batch):  # hand each caller its rows
-            req = text.req
-            if req.future.done():
-                continue
-            if vectors is None or row in errors:
-                req.fail(errors[row])
-                continue
-            if req.vectors is None:
-                req.vectors = np.empty((req.left, vectors.shape[1]), np.float32)
-            req.vectors[text.index] = vectors[row]
-            req.left -= 1
-            req.queue_ms = max(req.queue_ms, record.queue_ms[row])
-            if req.last_batch is not record:  # the caller's first text in this batch
-                req.last_batch = record
-                req.batch_sizes.append(record.size)
-                req.inference_ms += record.inference_ms
-            if req.left == 0:
-                req.future.set_result(
-                    BatchOutcome(req.vectors, req.queue_ms, req.inference_ms, req.batch_sizes)
-                )
+            if done.vectors is None or row in done.errors:
+                text.req.fail(done.errors[row])
+            else:
+                text.req.deliver(text.index, done.vectors[row], record, record.queue_ms[row])
         self.stats.add(record)
         if self._on_batch is not None:
             try:
@@ -237,86 +247,48 @@ class Batcher:
     # --8<-- [end:run]
 
     # --8<-- [start:compute]
-    def _compute(self, ids: list[np.ndarray], owners: list[int]) -> _Computed:
-        """Run one batch (executor thread): one model call, or calls of similar lengths."""
-        done = _Computed(len(ids))
-        if not self.settings.split_by_length:
-            done.padded_tokens = len(ids) * max(len(i) for i in ids)
-            self._run_rows(ids, np.arange(len(ids)), done)
-            return done
-        units: dict[int, list[int]] = {}  # a request's texts stay together, in its order
-        for row, owner in enumerate(owners):
-            units.setdefault(owner, []).append(row)
-        groups = sorted(units.values(), key=lambda rows: max(len(ids[r]) for r in rows))
-        longest = np.array([max(len(ids[r]) for r in rows) for rows in groups])
-        sizes = np.array([len(rows) for rows in groups])
-        for bucket in length_buckets(longest, self.settings.call_overhead_tokens, sizes):
-            rows = np.array([r for unit in groups[bucket] for r in unit])
-            done.padded_tokens += len(rows) * int(longest[bucket][-1])
-            self._run_rows(ids, rows, done)
+    def _compute(self, batch: list[QueuedText]) -> Computed:
+        """Executor thread: everything the model thread receives (the batch) and does. One call here."""
+        ids = [t.ids for t in batch]
+        done = Computed(len(batch), padded_tokens=len(batch) * max(t.n_tokens for t in batch))
+        self._run_rows(ids, list(range(len(batch))), done)
         return done
 
-    def _run_rows(self, ids: list[np.ndarray], rows: np.ndarray, done: _Computed) -> None:
-        """One model call; if it raises, split it in halves until the guilty text is alone."""
-        done.calls += 1
+    def _run_rows(self, ids: list[np.ndarray], rows: list[int], done: Computed) -> None:
+        """One model call on these rows of the batch; if it raises, each of them gets the error."""
         try:
-            vectors = self._run([ids[i] for i in rows])
-            if vectors.shape[0] != len(rows):  # never hand a caller someone else's vector
-                raise RuntimeError(f"the model returned {vectors.shape[0]} vectors for {len(rows)} texts")
+            done.put(rows, self._call(ids, rows, done))
         except Exception as exc:
-            if len(rows) == 1:
-                done.errors[int(rows[0])] = exc
-                return
-            self._run_rows(ids, rows[: len(rows) // 2], done)
-            self._run_rows(ids, rows[len(rows) // 2 :], done)
-            return
-        if done.vectors is None:
-            done.vectors = np.zeros((done.n, vectors.shape[1]), np.float32)
-        done.vectors[rows] = vectors
+            done.errors.update(dict.fromkeys(rows, exc))
+
+    def _call(self, ids: list[np.ndarray], rows: list[int], done: Computed) -> np.ndarray:
+        done.calls += 1
+        vectors = self._run([ids[r] for r in rows])
+        if vectors.shape[0] != len(rows):  # never hand a caller someone else's vector
+            raise RuntimeError(f"the model returned {vectors.shape[0]} vectors for {len(rows)} texts")
+        return vectors
 
     # --8<-- [end:compute]
 
 
 @dataclass(slots=True)
-class _Computed:
-    """One batch's result: vectors by row, and the rows whose text made the model raise."""
+class Computed:
+    """One batch's result, filled in by the model thread: vectors by row, errors by row."""
 
     n: int
+    padded_tokens: int = 0  # rows x longest row, summed over the calls
+    calls: int = 0
     vectors: np.ndarray | None = None
     errors: dict[int, Exception] = field(default_factory=dict)
-    calls: int = 0
-    padded_tokens: int = 0
 
-
-# --8<-- [start:buckets]
-def length_buckets(lengths: np.ndarray, overhead: int, rows: np.ndarray | None = None) -> list[slice]:
-    """Cut ascending ``lengths`` into runs so that calls x overhead + padded tokens is least.
-
-    ``rows[i]`` texts share length ``lengths[i]`` (one request's texts, padded together).
-    On a CPU a padded token costs as much as a real one, and one more model call costs
-    about ``overhead`` tokens (measured by benchmarks/stage3.py), so a batch of mixed
-    lengths runs faster as a few calls of similar lengths than as one.
-    """
-    n = len(lengths)
-    before = np.concatenate([[0], np.cumsum(np.ones(n, np.int64) if rows is None else rows)])
-    best = np.zeros(n + 1)
-    start = np.zeros(n + 1, np.int64)
-    for end in range(1, n + 1):  # best[end]: cheapest way to run the first `end` units
-        costs = best[:end] + overhead + (before[end] - before[:end]) * lengths[end - 1]
-        start[end] = int(np.argmin(costs))
-        best[end] = costs[start[end]]
-    cuts = [n]
-    while cuts[-1] > 0:
-        cuts.append(int(start[cuts[-1]]))
-    cuts.reverse()
-    return [slice(a, b) for a, b in pairwise(cuts)]
-
-
-# --8<-- [end:buckets]
+    def put(self, rows: list[int], vectors: np.ndarray) -> None:
+        if self.vectors is None:
+            self.vectors = np.zeros((self.n, vectors.shape[1]), np.float32)
+        self.vectors[rows] = vectors
 
 
 def _fail(batch: list[QueuedText], exc: Exception) -> None:
     """An error outside the model call: log it, and answer every caller in the batch with it."""
     log.exception("batcher loop error")
-    for entry in batch:
-        entry.req.fail(exc)
+    for text in batch:
+        text.req.fail(exc)

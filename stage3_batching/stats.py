@@ -1,4 +1,4 @@
-"""What the batcher reports: one record per model call, and running totals for /v1/batcher/metrics."""
+"""What the batcher reports: one record per batch, and running totals for /v1/batcher/metrics."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 
 @dataclass(slots=True)
 class BatchRecord:
-    """One model call, handed to observers (``Batcher(on_batch=...)``; stage 5 hooks in here)."""
+    """One batch (one model call, or more with length buckets and failure isolation), handed to
+    observers (``Batcher(on_batch=...)``; stage 5 hooks in here)."""
 
     size: int  # texts in the batch
     padded_tokens: int  # rows x longest row, summed over the calls: what the model computes

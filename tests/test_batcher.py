@@ -2,8 +2,11 @@
 
 As Ray Serve's batching tests do, nothing here sleeps and hopes: the fake model blocks
 until the test opens its gate, so the test decides what is queued while a batch runs,
-and every wait is a short ``asyncio.wait(..., timeout=...)``. The last tests run the
-real engine and compare each caller's vectors with the engine alone.
+and every wait is a short ``asyncio.wait(..., timeout=...)``. What any batcher must do runs
+against both the textbook ``Batcher`` and the ``RefinedBatcher`` the server uses; each
+refinement's own effect is checked against the textbook batcher, one refinement at a time
+(the section "each refinement on its own"). The last tests run the real engine and compare
+each caller's vectors with the engine alone.
 """
 
 from __future__ import annotations
@@ -20,7 +23,12 @@ import pytest
 from common.engine import Engine, TokenizedText, l2_normalize
 from common.settings import Settings
 from stage0_script import corpus
-from stage3_batching.batcher import Batcher, BatchOutcome, BatchRecord, DeadlineExceeded, length_buckets
+from stage3_batching.app import RefinedBatcher
+from stage3_batching.batcher import Batcher, BatchOutcome, BatchRecord, DeadlineExceeded
+from stage3_batching.buckets import LengthBuckets, length_buckets
+from stage3_batching.grouping import GroupByLength
+from stage3_batching.isolation import IsolateFailures
+from stage3_batching.tiers import LoadTiers
 
 SHORT = 5.0  # seconds: generous for "it happens" on a busy machine; never elapses when the code is right
 BLOCKED = 0.2  # seconds: how long we watch for "it does not happen"
@@ -90,15 +98,22 @@ def records() -> list[BatchRecord]:
     return []
 
 
-async def started(model: FakeModel, records: list[BatchRecord], **overrides: Any) -> Batcher:
-    batcher = Batcher(model, make_settings(**overrides), on_batch=records.append)
+KINDS = pytest.mark.parametrize("kind", [Batcher, RefinedBatcher], ids=["textbook", "refined"])
+
+
+async def started(
+    model: FakeModel, records: list[BatchRecord], kind: type[Batcher] = RefinedBatcher, **overrides: Any
+) -> Batcher:
+    batcher = kind(model, make_settings(**overrides), on_batch=records.append)
     await batcher.start()
     return batcher
 
 
-@pytest.fixture
-async def batcher(model: FakeModel, records: list[BatchRecord]) -> AsyncIterator[Batcher]:
-    b = await started(model, records)
+@pytest.fixture(params=[Batcher, RefinedBatcher], ids=["textbook", "refined"])
+async def batcher(
+    model: FakeModel, records: list[BatchRecord], request: pytest.FixtureRequest
+) -> AsyncIterator[Batcher]:
+    b = await started(model, records, request.param)
     yield b
     model.gate.set()
     await asyncio.wait_for(b.close(), SHORT)
@@ -169,8 +184,11 @@ async def test_medium_tier_waits_for_the_window_until_the_batch_fills(
     await batcher.close()
 
 
-async def test_an_expired_window_does_not_wait(model: FakeModel, records: list[BatchRecord]) -> None:
-    batcher = await started(model, records, batch_window_ms=0.0)
+@KINDS
+async def test_an_expired_window_does_not_wait(
+    model: FakeModel, records: list[BatchRecord], kind: type[Batcher]
+) -> None:
+    batcher = await started(model, records, kind, batch_window_ms=0.0)
     first = await hold_model(batcher, model)
     some = [submit(batcher, m) for m in (1, 2, 3, 4)]
     await asyncio.sleep(0)
@@ -191,8 +209,11 @@ async def test_max_batch_size_is_respected(batcher: Batcher, model: FakeModel) -
     assert [m for call in model.calls for m in call] == list(range(21))  # FIFO without grouping
 
 
-async def test_max_batch_tokens_counts_padded_tokens(model: FakeModel, records: list[BatchRecord]) -> None:
-    batcher = await started(model, records, max_batch_tokens=40)
+@KINDS
+async def test_max_batch_tokens_counts_padded_tokens(
+    model: FakeModel, records: list[BatchRecord], kind: type[Batcher]
+) -> None:
+    batcher = await started(model, records, kind, max_batch_tokens=40)
     first = await hold_model(batcher, model)
     short = [submit(batcher, m, n_tokens=10) for m in (1, 2, 3)]
     long = submit(batcher, 4, n_tokens=20)  # 3 x 10 fits 40; adding it pads all rows to 20
@@ -206,22 +227,24 @@ async def test_max_batch_tokens_counts_padded_tokens(model: FakeModel, records: 
     await batcher.close()
 
 
+@KINDS
 async def test_a_text_over_the_token_budget_still_runs_alone(
-    model: FakeModel, records: list[BatchRecord]
+    model: FakeModel, records: list[BatchRecord], kind: type[Batcher]
 ) -> None:
-    batcher = await started(model, records, max_batch_tokens=16)
+    batcher = await started(model, records, kind, max_batch_tokens=16)
     task = submit(batcher, 1, n_tokens=100)
     await done(task)
     assert markers(task.result()) == [1]
     await batcher.close()
 
 
+@KINDS
 async def test_two_slots_run_two_batches_side_by_side_and_the_queue_fills_meanwhile(
-    model: FakeModel, records: list[BatchRecord]
+    model: FakeModel, records: list[BatchRecord], kind: type[Batcher]
 ) -> None:
     """BATCH_CONCURRENCY=2: a second batch enters the model while the first is still in it;
     texts that arrive while both slots are busy wait, and go together when a slot frees."""
-    batcher = await started(model, records, batch_concurrency=2, batch_low_threshold=1)
+    batcher = await started(model, records, kind, batch_concurrency=2, batch_low_threshold=1)
     model.gate.clear()
     first = submit(batcher, 1)
     await model.wait_entered()
@@ -256,8 +279,11 @@ async def test_a_request_larger_than_a_batch_is_answered_whole_and_in_order(
 
 
 # --- length grouping ------------------------------------------------------------------
-async def _burst(model: FakeModel, records: list[BatchRecord], group: bool) -> tuple[Batcher, list[int]]:
-    batcher = await started(model, records, group_by_length=group, group_window=32)
+async def _burst(
+    model: FakeModel, records: list[BatchRecord], kind: type[Batcher] = RefinedBatcher, **overrides: Any
+) -> tuple[Batcher, list[int]]:
+    """40 one-text requests of mixed lengths queued behind a busy model, then released."""
+    batcher = await started(model, records, kind, group_window=32, **overrides)
     rng = random.Random(3)
     lengths = [rng.choice([6, 8, 60, 120]) for _ in range(40)]
     first = await hold_model(batcher, model, marker=1000)
@@ -271,13 +297,13 @@ async def _burst(model: FakeModel, records: list[BatchRecord], group: bool) -> t
 
 
 async def test_grouping_cuts_padding_on_mixed_lengths(model: FakeModel, records: list[BatchRecord]) -> None:
-    fifo, _ = await _burst(model, records, group=False)
-    grouped, _ = await _burst(FakeModel(asyncio.get_running_loop()), [], group=True)
+    fifo, _ = await _burst(model, records, group_by_length=False)
+    grouped, _ = await _burst(FakeModel(asyncio.get_running_loop()), [], group_by_length=True)
     assert grouped.stats.padding_ratio < fifo.stats.padding_ratio / 2
 
 
 async def test_grouping_reorders_only_within_one_window(model: FakeModel, records: list[BatchRecord]) -> None:
-    _batcher, lengths = await _burst(model, records, group=True)
+    _batcher, lengths = await _burst(model, records, group_by_length=True)
     order = [m for call in model.calls[1:] for m in call]
     assert sorted(order) == list(range(40))
     # group_window=32: texts 0..31 form one sorted round, all before any of 32..39.
@@ -369,7 +395,10 @@ async def test_an_exception_reaches_every_caller_of_the_batch_and_the_next_batch
     assert markers(again.result()) == [42]
 
 
-async def test_a_poisoned_text_fails_only_its_own_caller(batcher: Batcher, model: FakeModel) -> None:
+async def test_a_poisoned_text_fails_only_its_own_caller(
+    model: FakeModel, records: list[BatchRecord]
+) -> None:
+    batcher = await started(model, records)
     first = await hold_model(batcher, model)
     model.poison = lambda ids: any(int(row[0]) == 666 for row in ids)
     good = [submit(batcher, m) for m in (1, 2, 3)]
@@ -393,11 +422,14 @@ async def test_a_wrong_number_of_vectors_is_an_error_not_a_mixup(batcher: Batche
     assert markers(again.result()) == [3]
 
 
-async def test_an_observer_that_raises_does_not_stop_the_batcher(model: FakeModel) -> None:
+@KINDS
+async def test_an_observer_that_raises_does_not_stop_the_batcher(
+    model: FakeModel, kind: type[Batcher]
+) -> None:
     def bad_observer(record: BatchRecord) -> None:
         raise RuntimeError("observer bug")
 
-    batcher = Batcher(model, make_settings(), on_batch=bad_observer)
+    batcher = kind(model, make_settings(), on_batch=bad_observer)
     await batcher.start()
     for marker in (1, 2):
         task = submit(batcher, marker)
@@ -434,8 +466,11 @@ async def test_a_deadline_that_passes_in_the_queue_is_504_and_not_computed(
     assert all(77 not in call for call in model.calls)
 
 
-async def test_close_finishes_everything_queued(model: FakeModel, records: list[BatchRecord]) -> None:
-    batcher = await started(model, records)
+@KINDS
+async def test_close_finishes_everything_queued(
+    model: FakeModel, records: list[BatchRecord], kind: type[Batcher]
+) -> None:
+    batcher = await started(model, records, kind)
     first = await hold_model(batcher, model)
     tasks = [submit(batcher, m) for m in range(1, 12)]
     await asyncio.sleep(0)
@@ -447,13 +482,21 @@ async def test_close_finishes_everything_queued(model: FakeModel, records: list[
         await batcher.submit([tok(1)])
 
 
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize(
+    ("kind", "split"), [(Batcher, False), (RefinedBatcher, False), (RefinedBatcher, True)]
+)
 async def test_no_future_is_left_pending_under_random_load(
-    model: FakeModel, records: list[BatchRecord], split: bool
+    model: FakeModel, records: list[BatchRecord], split: bool, kind: type[Batcher]
 ) -> None:
     """Random sizes, lengths, cancellations and failures: every caller gets an answer."""
     batcher = await started(
-        model, records, group_by_length=True, group_window=16, batch_window_ms=1.0, split_by_length=split
+        model,
+        records,
+        kind,
+        group_by_length=True,
+        group_window=16,
+        batch_window_ms=1.0,
+        split_by_length=split,
     )
     rng = random.Random(11)
     model.poison = lambda ids: any(int(row[0]) % 13 == 0 for row in ids)
@@ -477,8 +520,95 @@ async def test_no_future_is_left_pending_under_random_load(
     await batcher.close()
 
 
+# --- each refinement on its own, against the textbook batcher ---------------------------
+class Tiered(LoadTiers, Batcher):
+    pass
+
+
+class Grouped(GroupByLength, Batcher):
+    pass
+
+
+class Bucketed(LengthBuckets, Batcher):
+    pass
+
+
+class Isolated(IsolateFailures, Batcher):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("kind", "low_threshold", "waits"),
+    [(Batcher, 3, True), (Tiered, 3, False), (RefinedBatcher, 3, False), (RefinedBatcher, 1, True)],
+    ids=["textbook", "tiers", "refined", "refined-tiers-off"],
+)
+async def test_tiers_let_a_lone_request_skip_the_window(
+    model: FakeModel, records: list[BatchRecord], kind: type[Batcher], low_threshold: int, waits: bool
+) -> None:
+    """The textbook batcher holds a lone request for the window; LOW tier sends it at once."""
+    batcher = await started(
+        model, records, kind, batch_window_ms=WINDOW_MS, batch_low_threshold=low_threshold
+    )
+    task = submit(batcher, 7)
+    finished, _ = await asyncio.wait([task], timeout=BLOCKED if waits else SHORT)
+    assert bool(finished) is not waits
+    await asyncio.wait_for(batcher.close(), SHORT)  # closing ends the window's wait
+    assert markers(task.result()) == [7]
+    assert [r.tier for r in records] == ["medium" if waits else "low"]
+
+
+@pytest.mark.parametrize("refined", [Grouped, Bucketed])
+async def test_grouping_and_buckets_each_cut_the_padding_of_a_mixed_burst(refined: type[Batcher]) -> None:
+    loop = asyncio.get_running_loop()
+    on = {"group_by_length": True, "split_by_length": True}
+    textbook, _ = await _burst(FakeModel(loop), [], Batcher, **on)
+    alone, _ = await _burst(FakeModel(loop), [], refined, **on)
+    switched_off, _ = await _burst(FakeModel(loop), [], refined, group_by_length=False, split_by_length=False)
+    assert textbook.stats.padding_ratio > 0.5  # FIFO batches of mixed lengths: mostly padding
+    assert alone.stats.padding_ratio < textbook.stats.padding_ratio / 2
+    assert switched_off.stats.as_dict() == textbook.stats.as_dict()  # off: the textbook batches
+
+
+async def test_buckets_run_a_mixed_batch_as_more_calls_with_less_padding() -> None:
+    loop = asyncio.get_running_loop()
+    outcome: dict[type[Batcher], tuple[int, int, int]] = {}
+    for kind in (Batcher, Bucketed):
+        kind_model, kind_records = FakeModel(loop), list[BatchRecord]()
+        batcher = await started(kind_model, kind_records, kind, split_by_length=True, call_overhead_tokens=32)
+        first = await hold_model(batcher, kind_model)
+        tasks = [submit(batcher, m, n_tokens=n) for m, n in ((1, 100), (2, 6), (3, 100), (4, 7), (5, 6))]
+        await asyncio.sleep(0)
+        kind_model.gate.set()
+        await done(first, *tasks)
+        await batcher.close()
+        record = kind_records[-1]
+        outcome[kind] = (record.size, record.calls, record.padded_tokens)
+    assert outcome[Batcher] == (5, 1, 5 * 100)
+    assert outcome[Bucketed] == (5, 2, 2 * 100 + 3 * 7)
+
+
+@pytest.mark.parametrize(("kind", "innocent_fail"), [(Batcher, True), (Isolated, False)])
+async def test_isolation_fails_only_the_guilty_caller_where_the_textbook_fails_the_batch(
+    model: FakeModel, records: list[BatchRecord], kind: type[Batcher], innocent_fail: bool
+) -> None:
+    batcher = await started(model, records, kind)
+    first = await hold_model(batcher, model)
+    model.poison = lambda ids: any(int(row[0]) == 666 for row in ids)
+    good = [submit(batcher, m) for m in (1, 2, 3)]
+    bad = submit(batcher, 666)
+    await asyncio.sleep(0)
+    model.gate.set()
+    await asyncio.wait([first, *good, bad], timeout=SHORT)
+    assert isinstance(bad.exception(), ValueError)
+    assert [isinstance(t.exception(), ValueError) for t in good] == [innocent_fail] * 3
+    assert records[-1].size == 4 and records[-1].calls == (1 if innocent_fail else 5)
+    await batcher.close()
+
+
 # --- the real engine ----------------------------------------------------------------
-async def _each_caller_gets_its_own_vectors(engine: Engine, split: bool = False) -> np.ndarray:
+async def _each_caller_gets_its_own_vectors(
+    engine: Engine, split: bool = False, kind: type[Batcher] = RefinedBatcher
+) -> np.ndarray:
     texts = corpus.texts(48, seed=21, kind="mixed")
     tokens = engine.tokenize(texts)
     options = {
@@ -487,7 +617,7 @@ async def _each_caller_gets_its_own_vectors(engine: Engine, split: bool = False)
         "batch_window_ms": 5.0,
         "split_by_length": split,
     }
-    batcher = Batcher(engine.run, make_settings(**options))
+    batcher = kind(engine.run, make_settings(**options))
     await batcher.start()
     cuts = [0, 1, 4, 5, 20, 21, 40, 48]  # requests of 1, 3, 1, 15, 1, 19, 8 texts
     outcomes = await asyncio.gather(*(batcher.submit(tokens[a:b]) for a, b in itertools.pairwise(cuts)))
@@ -498,9 +628,13 @@ async def _each_caller_gets_its_own_vectors(engine: Engine, split: bool = False)
     return np.asarray((served * alone).sum(axis=1))
 
 
-@pytest.mark.parametrize("split", [False, True])
-async def test_each_caller_gets_its_own_vectors_fp32(fp32_engine: Engine, split: bool) -> None:
-    cosines = await _each_caller_gets_its_own_vectors(fp32_engine, split)
+@pytest.mark.parametrize(
+    ("split", "kind"), [(False, Batcher), (False, RefinedBatcher), (True, RefinedBatcher)]
+)
+async def test_each_caller_gets_its_own_vectors_fp32(
+    fp32_engine: Engine, split: bool, kind: type[Batcher]
+) -> None:
+    cosines = await _each_caller_gets_its_own_vectors(fp32_engine, split, kind)
     assert cosines.min() > 0.99999  # fp32 is batch invariant: any mix-up would show
 
 

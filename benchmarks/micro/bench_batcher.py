@@ -10,7 +10,7 @@ import pytest
 
 from common.engine import Engine, TokenizedText
 from common.settings import Settings
-from stage3_batching.batcher import Batcher
+from stage3_batching.app import RefinedBatcher
 
 DIM = 384
 
@@ -20,8 +20,8 @@ def _trivial_model(ids: Sequence[np.ndarray]) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def batcher(loop: asyncio.AbstractEventLoop, settings: Settings) -> Iterator[Batcher]:
-    batcher = Batcher(_trivial_model, settings)
+def batcher(loop: asyncio.AbstractEventLoop, settings: Settings) -> Iterator[RefinedBatcher]:
+    batcher = RefinedBatcher(_trivial_model, settings)
     loop.run_until_complete(batcher.start())
     yield batcher
     loop.run_until_complete(batcher.close())
@@ -35,7 +35,7 @@ def tokens(engine: Engine, sentences: list[str]) -> list[TokenizedText]:
 def bench_one_request_alone(
     benchmark: pytest.FixtureRequest,
     loop: asyncio.AbstractEventLoop,
-    batcher: Batcher,
+    batcher: RefinedBatcher,
     tokens: list[TokenizedText],
 ) -> None:
     """One request, nothing else queued (LOW tier: no window): the floor a batcher adds."""
@@ -48,7 +48,7 @@ def bench_one_request_alone(
 def bench_burst(
     benchmark: pytest.FixtureRequest,
     loop: asyncio.AbstractEventLoop,
-    batcher: Batcher,
+    batcher: RefinedBatcher,
     tokens: list[TokenizedText],
     concurrent: int,
 ) -> None:

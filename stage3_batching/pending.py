@@ -1,0 +1,85 @@
+"""A caller while it waits for the batcher: one future for all its texts, filled in row by row.
+
+``Batcher.submit`` queues one ``QueuedText`` per text, all pointing at the caller's one
+``PendingRequest``. Each batch hands its rows back with ``deliver``; the future resolves with a
+``BatchOutcome`` when the caller's last text is in, or with the first error (``fail``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.limits import APIError
+from stage3_batching.stats import BatchRecord
+
+
+class DeadlineExceeded(APIError):
+    """504: the caller's deadline passed while its texts were still queued."""
+
+    def __init__(self, waited_ms: float) -> None:
+        super().__init__(504, f"request deadline passed after {waited_ms:.0f} ms in the batch queue")
+
+
+@dataclass(slots=True)
+class BatchOutcome:
+    """What ``submit`` returns: raw mean-pooled vectors (not normalized) in the caller's order."""
+
+    vectors: np.ndarray
+    queue_ms: float  # longest wait of the caller's texts
+    inference_ms: float  # summed over the caller's batches
+    batch_sizes: list[int]
+
+
+@dataclass(slots=True, eq=False)
+class PendingRequest:
+    """One caller: one future for all its texts, and the answer as the batches fill it in."""
+
+    future: asyncio.Future[BatchOutcome]
+    left: int  # texts not computed yet
+    deadline: float | None  # time.monotonic()
+    enqueued: float = field(default_factory=time.perf_counter)
+    taken: int = 0  # texts taken into a batch: past that point a deadline lets them finish
+    vectors: np.ndarray | None = None
+    queue_ms: float = 0.0
+    inference_ms: float = 0.0
+    batch_sizes: list[int] = field(default_factory=list)
+    last_batch: BatchRecord | None = None
+    timer: asyncio.TimerHandle | None = None
+
+    def deliver(self, index: int, vector: np.ndarray, batch: BatchRecord, queue_ms: float) -> None:
+        """Text ``index``'s vector, computed in ``batch``; the last one resolves the future."""
+        if self.future.done():  # cancelled, expired, or failed in another batch meanwhile
+            return
+        if self.vectors is None:
+            self.vectors = np.empty((self.left, vector.shape[0]), np.float32)
+        self.vectors[index] = vector
+        self.left -= 1
+        self.queue_ms = max(self.queue_ms, queue_ms)
+        if self.last_batch is not batch:  # the caller's first text in this batch
+            self.last_batch = batch
+            self.batch_sizes.append(batch.size)
+            self.inference_ms += batch.inference_ms
+        if self.left == 0:
+            outcome = BatchOutcome(self.vectors, self.queue_ms, self.inference_ms, self.batch_sizes)
+            self.future.set_result(outcome)
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+    def expire(self) -> None:
+        self.fail(DeadlineExceeded((time.perf_counter() - self.enqueued) * 1e3))
+
+
+@dataclass(slots=True, eq=False)
+class QueuedText:
+    """One text in the queue: its caller, its place in the caller's list, its token ids."""
+
+    req: PendingRequest
+    index: int
+    ids: np.ndarray
+    n_tokens: int
