@@ -9,6 +9,8 @@ Layers in front of stage 3's batcher (imported, not copied); a text goes through
 5. stage 3's batcher, with the request's deadline: a text whose deadline passes while queued,
    or whose client has gone, is dropped before the model.
 
+A cache entry holds the text's token count and truncation flag beside its vector, so only the
+texts that reach step 5 are tokenized: a hit never runs the tokenizer.
 On SIGTERM it drains (``drain.py``): readiness 503, admitted requests finish, the pool closes.
 
     make stage4                                   # in-process cache only
@@ -21,45 +23,31 @@ New headers: ``x-cache: hit | miss | partial | bypass`` with ``x-cache-hits`` an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from common.api import EmbedJob, EmbedResult, create_app, json_response, tokenize
-from common.engine import Engine, TokenizedText, l2_normalize
+from common.engine import Engine, TokenizedText
 from common.limits import APIError
 from common.settings import Settings
 from stage3_batching.app import BatchingBackend, add_batcher_routes
-from stage3_batching.batcher import BatchRecord
+from stage3_batching.batcher import BatchOutcome, BatchRecord
 from stage4_cache_backpressure.admission import Admission
-from stage4_cache_backpressure.cache import Cache, CacheStats, cache_key
+from stage4_cache_backpressure.answer import Answer
+from stage4_cache_backpressure.cache import Cache, CacheEntry, cache_key
+from stage4_cache_backpressure.disconnect import unless_client_leaves
 from stage4_cache_backpressure.drain import chain_signal_handlers
 from stage4_cache_backpressure.singleflight import LeaderGone, SingleFlight
+from stage4_cache_backpressure.stats import Stage4Stats
 
+__all__ = ["CacheBackend", "Stage4Stats", "add_cache_routes", "app"]
 log = logging.getLogger("embedserve.stage4")
-
-
-@dataclass(slots=True)
-class Stage4Stats:
-    """Every counter of this stage, read by ``/v1/cache/metrics`` and by stage 5."""
-
-    cache: CacheStats = field(default_factory=CacheStats)
-    deduplicated: int = 0  # texts answered by another request's computation
-    rejected: int = 0  # requests refused because the queue was full (OVERLOAD_STATUS)
-    deadline_exceeded: int = 0  # requests answered 504
-    disconnects: int = 0  # requests whose client left first (their queued texts never run)
-    bypassed: int = 0  # requests that opted out of the cache
-    active: int = 0  # requests inside the backend right now
-
-    def as_dict(self) -> dict[str, Any]:
-        names = ("deduplicated", "rejected", "deadline_exceeded", "disconnects", "bypassed", "active")
-        return {"cache": self.cache.as_dict(), **{n: getattr(self, n) for n in names}}
+Flight = asyncio.Future[CacheEntry]
 
 
 # --8<-- [start:backend]
@@ -74,9 +62,9 @@ class CacheBackend(BatchingBackend):
     ) -> None:
         super().__init__(engine, settings, on_batch=self._observe_batch)
         self.settings, self._on_batch, self._on_drain = settings, on_batch, on_drain
-        self.stats = Stage4Stats()
+        self.stats = Stage4Stats()  # NEW: /v1/cache/metrics
         self.cache = Cache(settings, engine.dimensions, self.stats.cache)  # NEW: two tiers
-        self.flights: SingleFlight[np.ndarray] = SingleFlight()  # NEW: one computation per text
+        self.flights: SingleFlight[CacheEntry] = SingleFlight()  # NEW: one computation per text
         # NEW: the bounded queue, measured on the batcher's own queue
         self.admission = Admission(
             settings.max_queue, settings.overload_status, lambda: self.batcher.queue_depth
@@ -86,7 +74,7 @@ class CacheBackend(BatchingBackend):
 
     async def start(self) -> None:
         await super().start()
-        await self.cache.start()
+        await self.cache.start()  # NEW: the Redis pool, in the lifespan
         if self._drain_on_signal:
             chain_signal_handlers(self.begin_drain)  # NEW: SIGTERM starts the drain
 
@@ -104,7 +92,7 @@ class CacheBackend(BatchingBackend):
                 self._on_drain()
 
     def _observe_batch(self, record: BatchRecord) -> None:
-        self.admission.observe(record)
+        self.admission.observe(record)  # NEW: how fast the queue drains, for Retry-After
         if self._on_batch is not None:
             self._on_batch(record)
 
@@ -113,154 +101,125 @@ class CacheBackend(BatchingBackend):
         try:
             if job.request is None:
                 return await self._embed(job)
-            return await self._unless_client_leaves(job, job.request)
+            return await unless_client_leaves(self._embed(job), job.request)  # NEW: hang up, drop the work
         except APIError as exc:
             if exc.status == 504:
                 self.stats.deadline_exceeded += 1
             elif exc.status == self.settings.overload_status:
                 self.stats.rejected += 1
+            elif exc.status == 499:
+                self.stats.disconnects += 1
             raise
         finally:
             self.stats.active -= 1
 
     # --8<-- [end:backend]
 
-    # --8<-- [start:disconnect]
-    async def _unless_client_leaves(self, job: EmbedJob, request: Request) -> EmbedResult:
-        """Race the work against the client hanging up; cancelling it drops its queued texts."""
-        work = asyncio.ensure_future(self._embed(job))
-        gone = asyncio.ensure_future(_client_gone(request))
-        try:
-            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()  # its queued texts are skipped by the batcher
-        if work in done:
-            return work.result()
-        self.stats.disconnects += 1
-        raise APIError(499, "client closed the request")  # nobody reads this answer
-
-    # --8<-- [end:disconnect]
-
     # --8<-- [start:embed]
     async def _embed(self, job: EmbedJob) -> EmbedResult:
-        model, sha = self.engine.model_id, self.engine.model_sha256
-        keys = [cache_key(model, sha, job.normalize, text) for text in job.texts]
-        tokens = await tokenize(self.engine, job)
-        answer = _Answer(np.empty((len(keys), self.engine.dimensions), np.float32))
-        todo = list(range(len(keys)))
-        use_cache = job.use_cache and self.cache.enabled
-        if use_cache:  # 1. memory tier
-            todo = answer.fill(todo, self.cache.get_local(keys))
-        elif not job.use_cache:  # the client opted out (CACHE_ENABLED=false is not counted)
-            self.stats.bypassed += 1
-        lead: list[int] = []
-        follow: list[tuple[int, asyncio.Future[np.ndarray]]] = []
-        for i in todo:  # 2. single-flight (opted-out requests compute their own)
-            flight = self.flights.join(keys[i]) if use_cache else None
-            lead.append(i) if flight is None else follow.append((i, flight))
-        led = [keys[i] for i in lead] if use_cache else []  # the flights this request owns
-        try:
-            if lead:
-                await self._lead(job, tokens, keys, lead, answer, use_cache)
-        except asyncio.CancelledError:
-            self.flights.fail(led, LeaderGone())
-            raise
-        except APIError as exc:  # a 504 is the leader's own deadline: followers try again
-            self.flights.fail(led, LeaderGone() if exc.status == 504 else exc)
-            raise
-        except Exception as exc:
-            error = APIError(500, f"the model failed on this request: {type(exc).__name__}")
-            self.flights.fail(led, error)
-            raise error from exc
-        for i, flight in follow:
-            answer.vectors[i] = await self._follow(job, i, flight)
+        """The five steps of the module docstring, in order."""
+        if not (job.use_cache and self.cache.enabled):
+            return await self._embed_uncached(job)
+        answer, keys = Answer(self.engine, job), self._keys(job)
+        # 1. memory tier: no await, no tokenizer (the entry holds the token count)
+        todo = answer.fill(range(len(keys)), self.cache.get_local(keys))
+        # 2. single-flight: a text another request is computing is waited for, not queued again
+        flights = [(row, self.flights.join(keys[row])) for row in todo]
+        lead = [row for row, flight in flights if flight is None]  # nobody computes it: we do
+        follow = [(row, flight) for row, flight in flights if flight is not None]
+        with self.flights.leading([keys[row] for row in lead], handover=_handover):
+            # 3. Redis tier, looked up once for this request and for every follower
+            todo = answer.fill(lead, await self._from_redis(keys, lead))
+            if todo:
+                tokens = await tokenize(self.engine, job, todo)  # the misses, and only them
+                # 4. admission: past the deadline already, 504; the queue full, 503 (or 429) now
+                _check_deadline(job)
+                self.admission.check(len(todo))
+                # 5. stage 3's batcher, with the request's deadline
+                outcome = await self._submit(tokens, job.deadline)
+                await self._remember([keys[row] for row in todo], answer.computed(todo, tokens, outcome))
+        for row, flight in follow:
+            answer.take(row, await self._follow(job, row, flight))
         self.stats.deduplicated += len(follow)
-        return EmbedResult(
-            answer.vectors,
-            [t.n_tokens for t in tokens],
-            [t.truncated for t in tokens],
-            answer.inference_ms,
-            queue_ms=answer.queue_ms,
-            batch_sizes=answer.batch_sizes,
-            cache_hits=answer.hits,
-            cache_bypassed=not use_cache,
-        )
+        return answer.result()
 
-    async def _lead(
-        self,
-        job: EmbedJob,
-        tokens: list[TokenizedText],
-        keys: list[str],
-        todo: list[int],
-        answer: _Answer,
-        use_cache: bool,
-    ) -> None:
-        if use_cache and self.cache.redis is not None:  # 3. Redis tier, once for all followers
-            found = await self.cache.get_remote([keys[i] for i in todo])
-            for i, vector in zip(todo, found, strict=True):
-                if vector is not None:
-                    self.flights.resolve(keys[i], vector)
-            todo = answer.fill(todo, found)
-        if not todo:
-            return
-        if job.deadline is not None and time.monotonic() >= job.deadline:
-            raise APIError(504, "request deadline passed before the model was reached")
-        self.admission.check(len(todo))  # 4. bounded queue: 503 now, never a long wait
-        outcome = await self.batcher.submit([tokens[i] for i in todo], deadline=job.deadline)
-        vectors = l2_normalize(outcome.vectors) if job.normalize else outcome.vectors
-        answer.vectors[todo] = vectors
-        answer.queue_ms, answer.inference_ms = outcome.queue_ms, outcome.inference_ms
-        answer.batch_sizes = outcome.batch_sizes
-        new_keys = [keys[i] for i in todo]
-        written = self.cache.put_local(new_keys, vectors)  # an opted-out answer refreshes it too
-        for key, vector in zip(new_keys, vectors, strict=True) if use_cache else ():
-            self.flights.resolve(key, vector)  # after the memory write, so no one can miss both
+    # --8<-- [end:embed]
+
+    # --8<-- [start:steps]
+    def _keys(self, job: EmbedJob) -> list[str]:
+        model, sha = self.engine.model_id, self.engine.model_sha256
+        return [cache_key(model, sha, job.normalize, text) for text in job.texts]
+
+    async def _from_redis(self, keys: list[str], rows: list[int]) -> list[CacheEntry | None]:
+        """Step 3: one MGET for the texts this request leads; their followers get a hit at once."""
+        found = await self.cache.get_remote([keys[row] for row in rows])
+        for row, entry in zip(rows, found, strict=True):
+            if entry is not None:
+                self.flights.resolve(keys[row], entry)
+        return found
+
+    async def _submit(self, tokens: list[TokenizedText], deadline: float | None) -> BatchOutcome:
+        """Step 5: a text still queued when the deadline passes is dropped (504), never run."""
+        try:
+            return await self.batcher.submit(tokens, deadline=deadline)
+        except APIError:
+            raise
+        except Exception as exc:  # the model raised for this request's texts
+            raise APIError(500, f"the model failed on this request: {type(exc).__name__}") from exc
+
+    async def _remember(self, keys: list[str], entries: list[CacheEntry]) -> None:
+        """Memory first, then the followers (so no request misses both), then Redis."""
+        written = self.cache.put_local(keys, entries)
+        for key, entry in zip(keys, entries, strict=True):
+            self.flights.resolve(key, entry)
         await self.cache.put_remote(written)  # followers do not wait for the Redis write
 
-    async def _follow(self, job: EmbedJob, i: int, flight: asyncio.Future[np.ndarray]) -> np.ndarray:
-        """Wait for another request's computation of this text (bounded by our own deadline)."""
+    async def _follow(self, job: EmbedJob, row: int, flight: Flight) -> CacheEntry:
+        """Step 2, the follower's side: wait for the leader's entry, bounded by our own deadline."""
         left = None if job.deadline is None else job.deadline - time.monotonic()
         try:
             return await asyncio.wait_for(asyncio.shield(flight), left)
         except TimeoutError:
             raise APIError(504, "request deadline passed while the same text was being computed") from None
-        except LeaderGone:  # the leader's client left or its deadline passed: ours may not have
-            one = EmbedJob([job.texts[i]], job.normalize, job.truncate, job.use_cache, job.deadline)
-            return (await self._embed(one)).vectors[0]
+        except LeaderGone:
+            return await self._retry_alone(job, row)
 
-    # --8<-- [end:embed]
+    async def _retry_alone(self, job: EmbedJob, row: int) -> CacheEntry:
+        """The leader stopped for a reason of its own (``_handover``); this request may still be
+        fine, so its text goes through the steps again, alone. ``truncate`` is checked by the
+        caller at the text's own row (``Answer.take``), so the retry may truncate."""
+        alone = dataclasses.replace(job, texts=[job.texts[row]], truncate=True, request=None)
+        result = await self._embed(alone)
+        return CacheEntry(result.vectors[0], result.n_tokens[0], result.truncated[0])
+
+    async def _embed_uncached(self, job: EmbedJob) -> EmbedResult:
+        """`cache: false`, Cache-Control: no-cache or CACHE_ENABLED=false: steps 4 and 5 only.
+        The fresh answer still refreshes the cache."""
+        if not job.use_cache:
+            self.stats.bypassed += 1  # the client's choice is counted, CACHE_ENABLED=false is not
+        answer, rows = Answer(self.engine, job), list(range(len(job.texts)))
+        tokens = await tokenize(self.engine, job)
+        _check_deadline(job)
+        self.admission.check(len(rows))
+        entries = answer.computed(rows, tokens, await self._submit(tokens, job.deadline))
+        if self.cache.enabled:
+            await self.cache.put(self._keys(job), entries)
+        return answer.result(bypassed=True)
+
+    # --8<-- [end:steps]
 
 
-@dataclass(slots=True)
-class _Answer:
-    """One request's vectors as the tiers fill them in, and what to say about it."""
-
-    vectors: np.ndarray
-    hits: int = 0
-    inference_ms: float = 0.0
-    queue_ms: float | None = None
-    batch_sizes: list[int] | None = None
-
-    def fill(self, rows: list[int], found: list[np.ndarray | None]) -> list[int]:
-        """Take the vectors a cache tier found; return the rows still missing."""
-        missing = []
-        for row, vector in zip(rows, found, strict=True):
-            if vector is None:
-                missing.append(row)
-            else:
-                self.vectors[row] = vector
-                self.hits += 1
-        return missing
+def _check_deadline(job: EmbedJob) -> None:
+    if job.deadline is not None and time.monotonic() >= job.deadline:
+        raise APIError(504, "request deadline passed before the model was reached")
 
 
-async def _client_gone(request: Request) -> None:
-    """Return when the client disconnects (the body is read, so only a disconnect arrives)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+def _handover(exc: BaseException) -> BaseException:
+    """What the followers get when their leader stops early. Its own limits (its client left,
+    its deadline passed, its `truncate: false` met a long text) are not theirs: they retry.
+    A full queue or a failing model would be theirs too: they get the same error."""
+    own = isinstance(exc, asyncio.CancelledError) or (isinstance(exc, APIError) and exc.status in (422, 504))
+    return LeaderGone() if own else exc
 
 
 def _log_to_stderr(level: str) -> None:
@@ -312,5 +271,5 @@ app = create_app(
     description=__doc__ or "",
     calls_at_once=lambda s: s.batch_concurrency,
 )
-add_batcher_routes(app)
-add_cache_routes(app)
+add_batcher_routes(app)  # NEW: stage 3's routes
+add_cache_routes(app)  # NEW: /v1/cache/metrics

@@ -1,30 +1,40 @@
-"""The stage 4 cache: a key that pins the model, an in-process LRU, and the two tiers together.
+"""The stage 4 cache: a key that pins the model, what an entry holds, an in-process LRU, both tiers.
 
 * ``cache_key``: SHA-256 of model id, the served ONNX file's digest, the normalize flag
   and the exact text, so a new model (or a re-quantized one) never serves old vectors.
+* ``CacheEntry``: the vector with the text's token count and truncation flag, so a hit
+  answers ``usage``, ``truncated`` and the 422 of ``truncate: false`` without the tokenizer.
 * ``MemoryCache``: an LRU bounded in entries and in bytes, with a TTL. No server needed.
 * ``Cache``: the memory tier in front of the Redis tier (``redis_cache.py``) when CACHE_URL is set.
 
-Values are float32 bytes (1536 bytes for 384 dims), not JSON lists.
+An entry is 8 bytes of header and the float32 vector (1544 bytes for 384 dims), not JSON.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from common.settings import Settings
 from stage4_cache_backpressure.redis_cache import RedisCache
+from stage4_cache_backpressure.stats import CacheStats
 
-KEY_PREFIX = "emb:v1:"
+__all__ = ["KEY_PREFIX", "Cache", "CacheEntry", "CacheStats", "MemoryCache", "cache_key"]
+
+# v2: entries carry the token count and the truncation flag (v1 held the vector alone), so
+# a server of this version never reads an entry of the old format that another left in Redis.
+KEY_PREFIX = "emb:v2:"
 # Per-entry bookkeeping the byte bound counts on top of key and value (tuple, dict slot, headers).
 ENTRY_OVERHEAD_BYTES = 120
+# An entry's header: n_tokens (uint32), truncated (bool), 3 pad bytes so the floats start aligned.
+_HEADER = struct.Struct("<I?3x")
 
 
 # --8<-- [start:key]
@@ -41,29 +51,30 @@ def cache_key(model_id: str, model_sha256: str, normalize: bool, text: str) -> s
 # --8<-- [end:key]
 
 
-@dataclass(slots=True)
-class CacheStats:
-    """Counters of every tier (stage 5 exports them)."""
+# --8<-- [start:entry]
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    """One text's answer: everything a hit needs, so a hit never runs the tokenizer."""
 
-    hits: Counter[str] = field(default_factory=Counter)  # by tier: "memory", "redis"
-    misses: Counter[str] = field(default_factory=Counter)  # by tier
-    errors: Counter[str] = field(default_factory=Counter)  # Redis: timeout, connection, garbage, error
-    skipped: int = 0  # Redis lookups not tried while it is backing off after an error
-    evictions: int = 0  # memory entries pushed out by the item or byte bound
-    expirations: int = 0  # memory entries found past their TTL
-    writes: Counter[str] = field(default_factory=Counter)  # by tier
+    vector: np.ndarray  # float32, normalized when the key says so
+    n_tokens: int  # special tokens included (OpenAI `usage`)
+    truncated: bool  # cut at the model's token limit (`truncate: false` makes that a 422)
 
-    def as_dict(self) -> dict[str, Any]:
-        tiers = ("memory", "redis")
-        return {
-            "hits": {t: self.hits[t] for t in tiers},
-            "misses": {t: self.misses[t] for t in tiers},
-            "writes": {t: self.writes[t] for t in tiers},
-            "errors": dict(self.errors),
-            "skipped": self.skipped,
-            "evictions": self.evictions,
-            "expirations": self.expirations,
-        }
+    def encode(self) -> bytes:
+        return _HEADER.pack(self.n_tokens, self.truncated) + np.asarray(self.vector, "<f4").tobytes()
+
+    @classmethod
+    def decode(cls, value: bytes) -> CacheEntry:
+        n_tokens, truncated = _HEADER.unpack_from(value)
+        return cls(np.frombuffer(value, "<f4", offset=_HEADER.size), n_tokens, truncated)
+
+    @classmethod
+    def size(cls, dimensions: int) -> int:
+        """Bytes of an encoded entry: what the Redis tier checks a value against."""
+        return _HEADER.size + 4 * dimensions
+
+
+# --8<-- [end:entry]
 
 
 # --8<-- [start:memory]
@@ -139,7 +150,9 @@ class Cache:
         )
         url = settings.cache_url.get_secret_value() if settings.cache_url else None
         self.redis = (
-            RedisCache(url, settings.cache_ttl_s, settings.cache_timeout_ms, dimensions * 4, self.stats)
+            RedisCache(
+                url, settings.cache_ttl_s, settings.cache_timeout_ms, CacheEntry.size(dimensions), self.stats
+            )
             if url and self.enabled
             else None
         )
@@ -152,7 +165,7 @@ class Cache:
         if self.redis is not None:
             await self.redis.close()
 
-    def get_local(self, keys: Sequence[str]) -> list[np.ndarray | None]:
+    def get_local(self, keys: Sequence[str]) -> list[CacheEntry | None]:
         """Memory tier only: no await, so it runs before the request joins any queue."""
         if not self.enabled or not self.memory.enabled:
             return [None] * len(keys)
@@ -160,25 +173,25 @@ class Cache:
         hits = sum(v is not None for v in found)
         self.stats.hits["memory"] += hits
         self.stats.misses["memory"] += len(keys) - hits
-        return [None if v is None else self._decode(v) for v in found]
+        return [None if v is None else CacheEntry.decode(v) for v in found]
 
-    async def get_remote(self, keys: Sequence[str]) -> list[np.ndarray | None]:
+    async def get_remote(self, keys: Sequence[str]) -> list[CacheEntry | None]:
         """Redis tier; what it finds is copied into the memory tier."""
         if self.redis is None or not keys:
             return [None] * len(keys)
         found = await self.redis.get_many(keys)
-        out: list[np.ndarray | None] = []
+        out: list[CacheEntry | None] = []
         for key, value in zip(keys, found, strict=True):
             if value is not None:
                 self.memory.put(key, value)
-            out.append(None if value is None else self._decode(value))
+            out.append(None if value is None else CacheEntry.decode(value))
         return out
 
-    def put_local(self, keys: Sequence[str], vectors: np.ndarray) -> dict[str, bytes]:
+    def put_local(self, keys: Sequence[str], entries: Sequence[CacheEntry]) -> dict[str, bytes]:
         """Write the memory tier now; return the encoded items for ``put_remote``."""
         if not self.enabled:
             return {}
-        items = {k: np.asarray(v, dtype="<f4").tobytes() for k, v in zip(keys, vectors, strict=True)}
+        items = {key: entry.encode() for key, entry in zip(keys, entries, strict=True)}
         if self.memory.enabled:
             for key, value in items.items():
                 self.memory.put(key, value)
@@ -190,12 +203,9 @@ class Cache:
         if self.redis is not None:
             await self.redis.put_many(items)
 
-    async def put(self, keys: Sequence[str], vectors: np.ndarray) -> None:
+    async def put(self, keys: Sequence[str], entries: Sequence[CacheEntry]) -> None:
         """Write both tiers."""
-        await self.put_remote(self.put_local(keys, vectors))
-
-    def _decode(self, value: bytes) -> np.ndarray:
-        return np.frombuffer(value, dtype="<f4")
+        await self.put_remote(self.put_local(keys, entries))
 
     def config(self) -> dict[str, Any]:
         m = self.memory

@@ -19,7 +19,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -27,8 +26,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-if TYPE_CHECKING:
-    from stage4_cache_backpressure.cache import CacheStats
+from stage4_cache_backpressure.stats import CacheStats
 
 log = logging.getLogger("embedserve.cache")
 

@@ -9,14 +9,15 @@ they wait for the leader's result instead of queueing the same text again. (Go's
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
 
 class LeaderGone(Exception):
-    """The leader gave up (its client left or its own deadline passed): followers retry."""
+    """The leader gave up for a reason of its own (its client left, its deadline passed): followers retry."""
 
 
 # --8<-- [start:singleflight]
@@ -48,5 +49,27 @@ class SingleFlight(Generic[T]):
                 flight.set_exception(exc)
                 flight.exception()  # retrieved: a flight nobody followed must not log an error
 
+    # --8<-- [end:singleflight]
 
-# --8<-- [end:singleflight]
+    # --8<-- [start:leading]
+    @contextmanager
+    def leading(
+        self, keys: Iterable[str], handover: Callable[[BaseException], BaseException]
+    ) -> Iterator[None]:
+        """The block computes the ``keys`` this caller leads (``join`` returned None for each).
+
+        Whatever ends it before it resolved them all, an error or a cancellation, hands
+        ``handover(exc)`` to the followers of the rest, so no follower waits forever.
+        """
+        mine = {key: self._flights[key] for key in keys}
+        error: BaseException = LeaderGone()  # the block returned with a key unresolved: a bug, retry
+        try:
+            yield
+        except BaseException as exc:
+            error = handover(exc)
+            raise
+        finally:
+            # Only flights still ours: a key resolved earlier may be led by a newer caller now.
+            self.fail([key for key, flight in mine.items() if self._flights.get(key) is flight], error)
+
+    # --8<-- [end:leading]

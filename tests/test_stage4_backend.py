@@ -17,20 +17,26 @@ import numpy as np
 import pytest
 
 from common.api import EmbedJob, create_app
-from common.engine import Engine
+from common.engine import Engine, TokenizedText
 from common.limits import APIError
 from common.settings import Settings
 from stage4_cache_backpressure.app import CacheBackend
 
 
 class GatedEngine:
-    """The real engine, whose model calls wait for ``gate`` (set by default) and are counted."""
+    """The real engine, whose model calls wait for ``gate`` (set by default) and are counted,
+    and whose tokenizer calls are counted too (``tokenized``: the texts of each call)."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self.gate = threading.Event()
         self.gate.set()
         self.calls: list[int] = []
+        self.tokenized: list[list[str]] = []
+
+    def tokenize(self, texts: Sequence[str]) -> list[TokenizedText]:
+        self.tokenized.append(list(texts))
+        return self._engine.tokenize(texts)
 
     def run(self, token_ids: Sequence[np.ndarray]) -> np.ndarray:
         self.gate.wait(timeout=60)
@@ -92,6 +98,62 @@ async def test_second_request_is_a_memory_hit_and_matches_the_model(make: Any, e
     assert sum(gated.calls) == 3  # two texts, then one fresh text; the hits never reached the model
 
 
+def _long(engine: Engine) -> str:
+    """A new text past the model's token limit (cut when `truncate` is true)."""
+    return _new("word " * (engine.max_tokens + 20))
+
+
+async def test_a_hit_never_runs_the_tokenizer_and_keeps_usage_and_truncated(
+    make: Any, engine: Engine
+) -> None:
+    backend, gated = await make()
+    texts = [_new("a short text"), _long(engine)]
+    first = await backend.embed(_job(engine, texts))
+    assert gated.tokenized == [texts]
+    want = engine.tokenize(texts)
+    assert first.n_tokens == [t.n_tokens for t in want] and first.truncated == [False, True]
+    hit = await backend.embed(_job(engine, texts))
+    assert hit.cache_hits == 2 and gated.tokenized == [texts]  # all hits: the tokenizer never ran
+    assert hit.n_tokens == first.n_tokens and hit.truncated == [False, True]  # usage, `truncated`
+    assert hit.n_tokens[1] == engine.max_tokens
+    fresh = _new("one miss")
+    partial = await backend.embed(_job(engine, [texts[1], fresh, texts[0]]))
+    assert gated.tokenized == [texts, [fresh]]  # only the miss is tokenized
+    assert partial.n_tokens == [hit.n_tokens[1], engine.tokenize([fresh])[0].n_tokens, hit.n_tokens[0]]
+    assert partial.truncated == [True, False, False]
+
+
+async def test_truncate_false_is_422_for_a_cached_text_that_was_cut(make: Any, engine: Engine) -> None:
+    backend, gated = await make()
+    texts = [_new("fits"), _long(engine)]
+    await backend.embed(_job(engine, texts))
+    calls, tokenized = list(gated.calls), list(gated.tokenized)
+    with pytest.raises(APIError) as err:
+        await backend.embed(_job(engine, texts, truncate=False))
+    assert err.value.status == 422 and err.value.param == "inputs[1]"
+    assert "truncate" in err.value.message
+    assert gated.calls == calls and gated.tokenized == tokenized  # answered from the cache's entry
+    ok = await backend.embed(_job(engine, texts[:1], truncate=False))  # a cached text that fits is fine
+    assert ok.cache_hits == 1 and ok.truncated == [False]
+
+
+async def test_follower_of_a_leader_refused_for_truncate_false_retries(make: Any, engine: Engine) -> None:
+    """The leader's 422 is about its own `truncate: false`; the follower (truncate allowed) is
+    answered. A text this long is tokenized in a thread, so the follower joins meanwhile."""
+    backend, gated = await make()
+    text = _new("many words " * 1000)
+    assert len(text) > 8_000
+    leader = asyncio.ensure_future(backend.embed(_job(engine, [text], truncate=False)))
+    follower = asyncio.ensure_future(backend.embed(_job(engine, [text])))
+    with pytest.raises(APIError) as err:
+        await leader
+    assert err.value.status == 422
+    result = await follower
+    assert result.truncated == [True] and result.n_tokens == [engine.max_tokens]
+    assert np.allclose(result.vectors, _expected(engine, [text]), atol=1e-5)
+    assert backend.stats.deduplicated == 1 and gated.calls == [1]
+
+
 async def test_normalize_flag_is_part_of_the_key(make: Any, engine: Engine) -> None:
     backend, _ = await make()
     text = [_new("normalize me")]
@@ -150,8 +212,24 @@ async def test_with_redis_the_leader_looks_up_once_for_everyone(
     await asyncio.gather(*tasks)
     assert gated.calls == [1]
     assert backend.stats.cache.misses["redis"] == 1 and backend.stats.cache.writes["redis"] == 1
+    assert len(gated.tokenized) == 1  # the leader tokenized, for all 50
     again = await backend.embed(_job(engine, text))
     assert again.cache_hits == 1 and backend.stats.cache.hits["redis"] == 1
+    assert len(gated.tokenized) == 1 and again.n_tokens == engine.embed(text).n_tokens
+
+
+async def test_a_redis_hit_on_another_replica_carries_usage_and_truncated(
+    make: Any, engine: Engine, redis_url: str
+) -> None:
+    writer, _ = await make(cache_url=redis_url)
+    reader, gated = await make(cache_url=redis_url)  # a second replica: its memory tier is empty
+    texts = [_new("shared by replicas"), _long(engine)]
+    first = await writer.embed(_job(engine, texts))
+    hit = await reader.embed(_job(engine, texts))
+    assert hit.cache_hits == 2 and reader.stats.cache.hits["redis"] == 2
+    assert gated.tokenized == [] and gated.calls == []
+    assert hit.n_tokens == first.n_tokens and hit.truncated == [False, True]
+    assert np.array_equal(hit.vectors, first.vectors)
 
 
 async def test_duplicates_inside_one_request_are_computed_once(make: Any, engine: Engine) -> None:

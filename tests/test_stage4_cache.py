@@ -18,7 +18,9 @@ from redis_support import own_redis
 from common.settings import Settings
 from stage4_cache_backpressure.cache import (
     ENTRY_OVERHEAD_BYTES,
+    KEY_PREFIX,
     Cache,
+    CacheEntry,
     CacheStats,
     MemoryCache,
     cache_key,
@@ -49,7 +51,18 @@ def test_key_pins_model_file_flag_and_exact_text() -> None:
         cache_key("all-MiniLM-L6-v2", "a" * 64, True, "Hello world "),
     }
     assert base not in others and len(others) == 5
-    assert base.startswith("emb:v1:") and len(base) == len("emb:v1:") + 64
+    assert base.startswith(KEY_PREFIX) and len(base) == len(KEY_PREFIX) + 64
+    assert KEY_PREFIX == "emb:v2:"  # v1 entries (the vector alone) are never read
+
+
+# --- the entry -------------------------------------------------------------------
+@pytest.mark.parametrize(("n_tokens", "truncated"), [(7, False), (256, True)])
+def test_entry_roundtrips_vector_token_count_and_truncation(n_tokens: int, truncated: bool) -> None:
+    value = CacheEntry(_vec(1), n_tokens, truncated).encode()
+    assert len(value) == CacheEntry.size(DIM) == 8 + VALUE_BYTES
+    entry = CacheEntry.decode(value)
+    assert np.array_equal(entry.vector, _vec(1)) and entry.vector.dtype == np.float32
+    assert (entry.n_tokens, entry.truncated) == (n_tokens, truncated)
 
 
 # --- the memory tier -------------------------------------------------------------
@@ -222,13 +235,15 @@ async def test_two_tiers_promote_redis_hits_into_memory(redis_url: str) -> None:
     await reader.start()
     try:
         key = _unique("test-tiers")
-        await writer.put([key], _vec(7)[None, :])
+        await writer.put([key], [CacheEntry(_vec(7), 12, True)])
         assert writer.get_local([key])[0] is not None
         assert reader.get_local([key]) == [None]
-        remote = await reader.get_remote([key])
-        assert remote[0] is not None and np.array_equal(remote[0], _vec(7))
-        local = reader.get_local([key])[0]
-        assert local is not None and np.array_equal(local, _vec(7))  # promoted: no round trip next time
+        (remote,) = await reader.get_remote([key])
+        assert remote is not None and np.array_equal(remote.vector, _vec(7))
+        assert (remote.n_tokens, remote.truncated) == (12, True)  # a hit needs no tokenizer
+        (local,) = reader.get_local([key])
+        assert local is not None and np.array_equal(local.vector, _vec(7))  # promoted: no round trip next
+        assert (local.n_tokens, local.truncated) == (12, True)
         assert reader.stats.hits["redis"] == 1 and reader.stats.hits["memory"] == 1
     finally:
         await writer.close()
@@ -241,7 +256,7 @@ async def test_cache_disabled_stores_nothing(redis_url: str, enabled: bool) -> N
     await cache.start()
     try:
         assert cache.redis is None
-        await cache.put(["k"], _vec(1)[None, :])
+        await cache.put(["k"], [CacheEntry(_vec(1), 3, False)])
         assert cache.get_local(["k"]) == [None] and len(cache.memory) == 0
     finally:
         await cache.close()

@@ -70,6 +70,7 @@ def test_x_cache_header_and_both_opt_outs(stage_server: Any, engine: Engine) -> 
     assert _embed(url, [a], headers={"Cache-Control": "no-cache"}).headers["x-cache"] == "bypass"
     openai = httpx.post(f"{url}/v1/embeddings", json={"input": [a]}, timeout=60)
     assert openai.status_code == 200 and openai.headers["x-cache"] == "hit"
+    assert openai.json()["usage"]["prompt_tokens"] == engine.tokenize([a])[0].n_tokens  # from the entry
 
 
 def test_fifty_concurrent_requests_for_one_new_text_run_the_model_once(

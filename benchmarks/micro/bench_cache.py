@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from stage4_cache_backpressure.cache import CacheStats, MemoryCache, RedisCache, cache_key
+from stage4_cache_backpressure.cache import CacheStats, MemoryCache, cache_key
+from stage4_cache_backpressure.redis_cache import RedisCache
 
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 VALUE = np.random.default_rng(0).standard_normal(384).astype("<f4").tobytes()
