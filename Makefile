@@ -55,11 +55,24 @@ format: $(VENV)/.installed
 clean:
 	rm -rf $(VENV) models site .pytest_cache .mypy_cache .ruff_cache
 
-# --- load tests and benchmarks (loadtests/, benchmarks/; docs/benchmarking.md) ---------------
+# --- measurements (loadtests/ is the kit, benchmarks/ the experiments; docs/benchmarking.md) ----
+# A reader's run writes out/ (git-ignored) and prints its figures beside the committed ones.
+# QUICK=1: the short form (seconds per point). RECORD=1: write docs/results/ and docs/img/ (the
+# committed evidence), from a clean tree only unless ALLOW_DIRTY=1 (the stamp then says so).
 STAGE ?= 5
 PROFILE ?= unique-32
 DURATION ?= 30
-.PHONY: loadtest loadtest-headless loadtest-screenshots compare bench
+EVIDENCE = $(if $(QUICK),--quick) $(if $(RECORD),--record) $(if $(ALLOW_DIRTY),--allow-dirty)
+.PHONY: results loadtest loadtest-headless loadtest-screenshots compare bench bench-stage0 bench-stage2 \
+	bench-stage3 bench-stage4 bench-stage5 stage5-overhead quant-study settings-doc evidence-check
+
+## results: every results file, table and plot the docs include, in order (QUICK=1: briefly, into out/)
+results: setup browser
+	$(PY) -m benchmarks.results $(EVIDENCE) $(if $(ONLY),--only $(ONLY)) $(if $(FROM),--from $(FROM))
+
+## evidence-check: is docs/results/ current (stamped, clean, today's defaults), and is every prose number in it
+evidence-check: $(VENV)/.installed
+	$(PY) -m benchmarks.evidence_check
 
 ## loadtest: Locust's web UI on http://127.0.0.1:8089 against HOST:PORT (starts stage STAGE if nothing answers)
 loadtest: setup
@@ -69,53 +82,49 @@ loadtest: setup
 loadtest-headless: setup
 	$(PY) -m loadtests.run --stage $(STAGE) --headless --profile $(PROFILE) --duration $(DURATION) $(ARGS)
 
-## loadtest-screenshots: pictures of Locust's web UI against stage STAGE for docs/benchmarking.md (Chromium)
+## loadtest-screenshots: pictures of Locust's web UI against stage STAGE (Chromium; 1-2 min)
 loadtest-screenshots: setup browser
-	$(PY) -m loadtests.ui_screenshot --stage $(STAGE) $(ARGS)
+	$(PY) -m loadtests.ui_screenshot --stage $(STAGE) $(EVIDENCE) $(ARGS)
 
-## compare: every stage under the same Locust profiles, then the engine ceiling (QUICK=1: seconds per point)
+## compare: every stage under the same Locust profiles, then the engine ceiling (~45 min; QUICK=1 ~6 min)
 compare: setup
-	$(PY) -m benchmarks.compare $(if $(QUICK),--quick) $(ARGS)
+	$(PY) -m benchmarks.compare $(EVIDENCE) $(ARGS)
 
-## bench: pytest-benchmark microbenchmarks saved under docs/results/ (COMPARE=1: compare with the last run)
+## bench: pytest-benchmark microbenchmarks (~3 min; QUICK=1 ~1 min; COMPARE=1: against your last run)
 bench: setup
-	$(PY) -m pytest benchmarks -o python_files='bench_*.py' -o python_functions='bench_*' -p no:cacheprovider \
-		--benchmark-enable --benchmark-only --benchmark-storage=file://docs/results/benchmarks \
-		--benchmark-autosave --benchmark-json=docs/results/bench.json \
-		$(if $(COMPARE),--benchmark-compare) $(ARGS)
-	$(PY) -m benchmarks.micro.report docs/results/bench.json docs/results/bench.md
+	$(PY) -m benchmarks.micro $(EVIDENCE) $(if $(COMPARE),--compare) $(ARGS)
 
-# --- stage 1 and 2 measurements (docs/stage1.md, docs/stage2.md) ------------------------------
-.PHONY: bench-stage2
+## bench-stage0: stage 0's baseline, fp32 against INT8 (~1 min; QUICK=1 seconds)
+bench-stage0: setup
+	$(PY) -m benchmarks.stage0 $(EVIDENCE) $(ARGS)
 
-## bench-stage2: what the API contract costs per request, stage 1 vs 2 under load, the thread sweep (QUICK=1: seconds)
+## quant-study: static INT8 recipes against fp32 and dynamic (~12 min; QUICK=1 ~3 min)
+quant-study: setup
+	$(PY) -m benchmarks.quantization $(EVIDENCE) $(if $(STSB),--stsb $(STSB)) $(ARGS)
+
+## bench-stage2: what the API contract costs, stage 1 vs 2, the thread sweep (~11 min; QUICK=1 ~2 min)
 bench-stage2: setup
-	$(PY) -m benchmarks.stage2_overhead $(if $(QUICK),--quick)
-	$(PY) -m benchmarks.stage2_threads $(if $(QUICK),--quick)
+	$(PY) -m benchmarks.stage2_overhead $(EVIDENCE)
+	$(PY) -m benchmarks.stage2_threads $(EVIDENCE)
 
-# --- stage 3 measurements (docs/stage3.md) ----------------------------------------------------
-.PHONY: bench-stage3
-
-## bench-stage3: stage 3 against stage 2 and the engine, MAX_BATCH_SIZE and window sweeps, padding (QUICK=1: seconds)
+## bench-stage3: stage 3 against stage 2 and the engine, batch size and window sweeps (~9 min; QUICK=1 ~3 min)
 bench-stage3: setup
-	$(PY) -m benchmarks.stage3 $(if $(QUICK),--quick)
+	$(PY) -m benchmarks.stage3 $(EVIDENCE) $(ARGS)
 
-# --- stage 4 measurements (docs/stage4.md) ----------------------------------------------------
-.PHONY: bench-stage4
-
-## bench-stage4: cache hit latency by tier, pooled vs per-command Redis, repeated texts and overload vs stage 3
+## bench-stage4: cache hit latency by tier, pooled vs per-command Redis, repeats, overload (~3 min; QUICK=1 ~1 min)
 bench-stage4: setup
-	$(PY) -m benchmarks.stage4 $(ARGS)
+	$(PY) -m benchmarks.stage4 $(EVIDENCE) $(ARGS)
 
-# --- stage 5 measurements (docs/stage5.md) ----------------------------------------------------
-.PHONY: stage5-overhead
+## bench-stage5: what metrics, logs and the dashboard cost, stage 5 vs stage 4 (~4 min; QUICK=1 ~1 min)
+bench-stage5 stage5-overhead: setup
+	$(PY) -m benchmarks.stage5 $(EVIDENCE) $(ARGS)
 
-## stage5-overhead: what metrics, logs and the dashboard cost: stage 5 vs stage 4, same run (QUICK=1: seconds)
-stage5-overhead: setup
-	$(PY) -m benchmarks.stage5 $(if $(QUICK),--quick) $(ARGS)
+## settings-doc: regenerate the settings table of docs/operating.md from common/settings.py
+settings-doc: $(VENV)/.installed
+	$(PY) -m benchmarks.settings_doc
 
-# --- docs site and the quantization study (docs/quantization.md, docs/operating.md) -----------
-.PHONY: docs docs-build settings-doc quant-study
+# --- docs site (docs/) -------------------------------------------------------------------
+.PHONY: docs docs-build
 
 ## docs: serve the tutorial site on http://127.0.0.1:8001 (rebuilds on save)
 docs: $(VENV)/.installed
@@ -125,17 +134,9 @@ docs: $(VENV)/.installed
 docs-build: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
-## settings-doc: regenerate the settings table of docs/operating.md from common/settings.py
-settings-doc: $(VENV)/.installed
-	$(PY) -m benchmarks.settings_doc
-
-## quant-study: static INT8 recipes against fp32 and dynamic (docs/results/quantization.json; ~10 min)
-quant-study: setup
-	$(PY) -m stage0_script.quant_study $(if $(STSB),--stsb $(STSB))
-
 # --- hardening: fuzzing, soak, faults, reliability report (docs/reliability.md) --------------
 FUZZ_EXAMPLES ?= 500
-SOAK_SECONDS ?= 600
+SOAK_SECONDS ?=
 .PHONY: fuzz soak reliability
 
 ## fuzz: schemathesis on every stage, batcher properties and the bad-input catalogue, FUZZ_EXAMPLES each
@@ -143,13 +144,13 @@ fuzz: setup
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -p no:cacheprovider \
 		tests/test_fuzz_schema.py tests/test_properties_batcher.py tests/test_bad_input.py $(ARGS)
 
-## soak: stage 5 + Redis at 70% of capacity for SOAK_SECONDS (docs/results/soak.json, docs/img/soak.png)
+## soak: stage 5 + Redis at 70% of capacity for 10 minutes (SOAK_SECONDS=...; QUICK=1: 60 s at 50%)
 soak: setup
-	$(PY) -m benchmarks.reliability.soak --duration $(SOAK_SECONDS)
+	$(PY) -m benchmarks.reliability.soak $(EVIDENCE) $(if $(SOAK_SECONDS),--duration $(SOAK_SECONDS)) $(ARGS)
 
-## reliability: bad input, fuzz and faults against every stage, counted (docs/results/reliability.json)
+## reliability: bad input, fuzz and faults against every stage, counted (~8 min; QUICK=1 ~5 min)
 reliability: setup
-	$(PY) -m benchmarks.reliability.reliability $(ARGS)
+	$(PY) -m benchmarks.reliability.reliability $(EVIDENCE) $(ARGS)
 
 # --- exercises: build the key piece of stages 2, 3 and 4 yourself (exercises/README.md) -------
 # The stage's own tests, run against your file (or, with SOLUTION=1, against the stage itself).

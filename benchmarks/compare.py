@@ -1,7 +1,8 @@
 """`make compare`: every server stage under the same Locust profiles, in one run, on one machine.
 
-    python -m benchmarks.compare            # full: 20 s per point (run it on a quiet machine)
-    python -m benchmarks.compare --quick    # a few seconds per point, to see that it all works
+    python -m benchmarks.compare            # full: 20 s per point, about 45 minutes (a quiet machine)
+    python -m benchmarks.compare --quick    # a few seconds per point, about 6 minutes
+    python -m benchmarks.compare --record   # the same, written to docs/results/ and docs/img/
 
 For each stage that exists: start it with the command `make stageN` runs, warm it up, run every
 profile in ``harness.PROFILES`` as one headless Locust process, stop it. Then measure the engine
@@ -12,14 +13,12 @@ depend on the machine and on whatever else runs on it; ratios inside one run are
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,9 @@ from benchmarks import compare_report as report
 from common.engine import Engine
 from common.serve import STAGES, available_stages, resolve
 from common.settings import Settings
-from loadtests import harness
+from loadtests import evidence, harness
 from loadtests.harness import COMPARE_ENV, COMPARE_WITHOUT, PROFILES, Profile
+from loadtests.procs import free_port, running_stage
 from stage0_script import corpus
 
 CEILING_SEED = 7
@@ -115,7 +115,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="A few seconds per point.")
     parser.add_argument("--duration", type=float, help="Seconds per point (default 20, quick 3).")
     parser.add_argument("--warmup", type=float, help="Seconds of warm-up per stage (default 10, quick 1).")
     parser.add_argument(
@@ -133,19 +132,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1, help="Base seed of the texts.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="Port for the servers (0: a free one).")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=harness.REPO / "docs" / "results",
-        help="Where compare.json and compare.md go.",
-    )
-    parser.add_argument("--img", type=Path, default=harness.REPO / "docs" / "img", help="Where the PNGs go.")
+    parser.add_argument("--out", type=Path, help="Folder for compare.json and .md.")
+    parser.add_argument("--img", type=Path, help="Folder for the PNGs (out/img, or docs/img with --record).")
     parser.add_argument(
         "--raw",
         type=Path,
-        default=harness.REPO / "out" / "compare",
+        default=evidence.OUT / "compare",
         help="Locust's CSV/JSON and the server logs (git-ignored).",
     )
+    evidence.add_arguments(parser)
     args = parser.parse_args(argv)
     args.duration = args.duration or (3.0 if args.quick else 20.0)
     args.warmup = args.warmup if args.warmup is not None else (1.0 if args.quick else 10.0)
@@ -154,22 +149,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_stage(stage: str, profiles: list[Profile], args: argparse.Namespace) -> list[dict[str, Any]]:
-    port = args.port or _free_port()
+    port = args.port or free_port()
     url = f"http://{args.host}:{port}"
     raw = args.raw / stage
     results = []
     t0 = time.monotonic()
-    log = raw / "server.log"
-    with harness.running_stage(stage, args.host, port, log, COMPARE_ENV, COMPARE_WITHOUT) as server:
+    with running_stage(stage, raw, COMPARE_ENV, without=COMPARE_WITHOUT, port=port, host=args.host) as server:
         print(f"{stage}: ready in {time.monotonic() - t0:.1f} s on {url}", flush=True)
         answered = harness.warm_up(url, args.warmup)
         print(f"{stage}: warm-up answered {answered} requests in {args.warmup:g} s", flush=True)
@@ -199,8 +185,16 @@ def run_stage(stage: str, profiles: list[Profile], args: argparse.Namespace) -> 
     return results
 
 
+def headline(result: dict[str, Any]) -> dict[str, float]:
+    """The figures a reader's run is compared with: unique-32 per stage, and the engine alone."""
+    out = {f"{p['stage']} unique-32 req/s": p["rps"] for p in result["points"] if p["profile"] == "unique-32"}
+    out["engine alone, sentences, texts/s"] = result["engine_ceiling"]["sentence"]["texts_per_s"]
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
+    run = evidence.start("benchmarks.compare", args, argv)
     wanted = [resolve(s.strip()) for s in args.stages.split(",")] if args.stages else list(STAGES)
     present = set(available_stages())
     stages = [s for s in wanted if s in present]
@@ -211,7 +205,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.endpoint != "/v1/embed":
         profiles = [replace(p, options=(*p.options, "--endpoint", args.endpoint)) for p in profiles]
 
-    started = datetime.now(UTC)
     points: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
     for stage in stages:
@@ -231,14 +224,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
 
     result = {
-        "command": " ".join(["python -m benchmarks.compare", *(sys.argv[1:] if argv is None else argv)]),
-        "quick": args.quick,
-        "date": started.isoformat(timespec="seconds"),
-        "finished": datetime.now(UTC).isoformat(timespec="seconds"),
-        "git_commit": harness.git_commit(),
-        "machine": harness.machine(),
-        "versions": harness.versions(),
-        "settings": {
+        "stamp": run.stamp(COMPARE_ENV, COMPARE_WITHOUT),
+        "parameters": {
             "duration_s": args.duration,
             "warmup_s": args.warmup,
             "stop_timeout_s": args.stop_timeout,
@@ -254,14 +241,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "engine_ceiling": ceiling,
         "points": report.add_ratios(points, profiles, ceiling),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "compare.md").write_text(report.markdown(result))
-    images = report.plots(result, args.img)
-    print(
-        f"wrote {args.out / 'compare.json'}, {args.out / 'compare.md'}, {', '.join(str(p) for p in images)}",
-        flush=True,
-    )
+    out, img = args.out or run.results_dir, args.img or run.img_dir
+    written = [
+        evidence.write_json(out / "compare.json", result),
+        evidence.write_text(out / "compare.md", report.markdown(result)),
+        *report.plots(result, img),
+    ]
+    print("wrote " + ", ".join(str(p) for p in written), flush=True)
+    evidence.against_reference(run, "compare.json", result, headline)
     return result
 
 

@@ -1,8 +1,9 @@
 """What the API contract costs per request, apart from the model.
 
-    python -m benchmarks.stage2_overhead            # about a minute; writes docs/results/stage2_overhead.json
-    python -m benchmarks.stage2_overhead --quick    # a few seconds per part, to see that it works
-    python -m benchmarks.stage2_overhead --profile  # also print a cProfile of the /v1/embed path
+    python -m benchmarks.stage2_overhead            # about 2 minutes
+    python -m benchmarks.stage2_overhead --quick    # about 30 s, to see that it works
+    python -m benchmarks.stage2_overhead --record   # written to docs/results/stage2_overhead.*
+    python -m benchmarks.stage2_overhead --profile  # only print a cProfile of the /v1/embed path
 
 Three parts:
 
@@ -13,10 +14,10 @@ Three parts:
   same small job done four ways, to compare body parsing, routing and JSON encoding
   (FastAPI's defaults against ``read_body``, ``LeanRoute`` and orjson).
 * ``sockets``: requests/s over real sockets at 8 clients for the null-backend server
-  (the HTTP ceiling of this machine), stage 1 and stage 2, each with ``/health`` probed
-  during the run; and the engine alone for the same texts.
+  (``benchmarks/null_backend``: the HTTP ceiling of this machine), stage 1 and stage 2, each
+  with ``/health`` probed during the run; and the engine alone for the same texts.
 
-Writes docs/results/stage2_overhead.json and .md (the tables the stage 1 and 2 chapters include).
+Writes stage2_overhead.json and .md (the tables the stage 1 and 2 chapters include).
 """
 
 from __future__ import annotations
@@ -27,10 +28,8 @@ import base64
 import cProfile
 import json
 import pstats
-import subprocess
-import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,38 +38,19 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from common.api import EmbedJob, EmbedResult, create_app, json_response, lean_route, read_body, tokenize
+from benchmarks.null_backend.app import app as null_app
+from common.api import json_response, lean_route, read_body
 from common.engine import Engine, l2_normalize
 from common.schemas import EmbedRequest
 from common.settings import Settings
-from loadtests.harness import REPO, running_stage, settle, wait_ready
+from loadtests import evidence
+from loadtests.harness import settle
 from loadtests.httpload import post_requests, run_load
-from loadtests.machine import machine_info
-from loadtests.procs import free_port
+from loadtests.procs import running_stage
+from loadtests.tables import page, table
 from stage0_script import corpus
 
-RESULTS = REPO / "docs" / "results" / "stage2_overhead.json"
-HOST = "127.0.0.1"
-
-
-# --8<-- [start:null_backend]
-class NullBackend:
-    """Answers without the model: what a request still costs is the contract's own work."""
-
-    def __init__(self, engine: Engine, settings: Settings) -> None:
-        rng = np.random.default_rng(0)
-        self.engine = engine
-        self.vectors = l2_normalize(rng.standard_normal((settings.max_items, engine.dimensions)))
-
-    async def embed(self, job: EmbedJob) -> EmbedResult:
-        tokens = await tokenize(self.engine, job)  # every stage tokenizes; only the model is left out
-        n = len(job.texts)
-        return EmbedResult(self.vectors[:n], [t.n_tokens for t in tokens], [t.truncated for t in tokens])
-
-
-# --8<-- [end:null_backend]
-
-null_app = create_app("null backend", NullBackend)  # `uvicorn benchmarks.stage2_overhead:null_app`
+NULL_STAGE = "benchmarks.null_backend"  # served by `python -m common.serve`, like a stage
 
 
 def _variants_app(vectors: np.ndarray) -> FastAPI:
@@ -244,32 +224,16 @@ def _engine_texts_per_s(engine: Engine, texts: list[str], batch: int, seconds: f
     return round(done / (time.perf_counter() - start), 1)
 
 
-def sockets(engine: Engine, seconds: float, clients: int) -> dict[str, Any]:
+def sockets(engine: Engine, seconds: float, clients: int, logs: Path) -> dict[str, Any]:
     """Requests/s at ``clients`` clients, one text each, with /health probed every 50 ms."""
     texts = corpus.texts(4000, seed=21, kind="query")
     requests = post_requests("/v1/embed", [orjson.dumps({"inputs": [t]}) for t in texts])
     out: dict[str, Any] = {"clients": clients, "text_kind": "query", "texts_per_request": 1}
-
-    port = free_port()
-    log = (REPO / ".benchmarks" / f"null-{port}.log").open("wb")
-    cmd = [sys.executable, "-m", "uvicorn", "benchmarks.stage2_overhead:null_app", "--host", HOST]
-    server = subprocess.Popen(
-        [*cmd, "--port", str(port), "--no-access-log"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
-    )
-    try:
-        wait_ready(f"http://{HOST}:{port}", server)
-        out["null_backend"] = run_load(HOST, port, requests, clients, seconds, probe="/health")
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
-
-    for stage in ("stage1_naive", "stage2_threadpool"):
-        port = free_port()
-        with running_stage(stage, HOST, port, REPO / ".benchmarks" / f"{stage}-{port}.log") as proc:
-            settle(proc.pid, f"http://{HOST}:{port}")
-            out[stage] = run_load(HOST, port, requests, clients, seconds, probe="/health")
-
+    for name, stage in (("null_backend", NULL_STAGE), ("stage1_naive", "stage1_naive"),
+                        ("stage2_threadpool", "stage2_threadpool")):  # fmt: skip
+        with running_stage(stage, logs) as server:
+            settle(server.pid, server.url)
+            out[name] = run_load(server.host, server.port, requests, clients, seconds, probe="/health")
     out["engine_alone_texts_per_s"] = {
         str(batch): _engine_texts_per_s(engine, texts, batch, seconds) for batch in (1, 32)
     }
@@ -277,61 +241,61 @@ def sockets(engine: Engine, seconds: float, clients: int) -> dict[str, Any]:
 
 
 # --- the results page --------------------------------------------------------------------
-def _section(name: str, lines: list[str]) -> list[str]:
-    return [f"<!-- --8<-- [start:{name}] -->", *lines, f"<!-- --8<-- [end:{name}] -->", ""]
+def _label(key: str) -> str:
+    return key.removesuffix("_us").replace("_", " ")
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """docs/results/stage2_overhead.md: one snippet section per table, for the chapters."""
-    m = result["machine"]
+    """stage2_overhead.md: one snippet section per table, for the chapters."""
     comp = result["components"]
     contract = result["in_process"]["contract_null_backend"]
     ways = result["in_process"]["parse_and_encode"]
     sock = result["sockets"]
-    lines = [f"<!-- generated by `{result['command']}`; do not edit -->"]
-    lines += _section(
-        "machine",
+    sections: dict[str, list[str]] = {
+        "components": table(["step", "CPU µs per call"], [(_label(k), v) for k, v in comp.items()]),
+        "contract": table(
+            ["request (null backend, no model)", "CPU µs"], [(_label(k), v) for k, v in contract.items()]
+        ),
+    }
+    sections["parse_and_encode"] = table(
+        ["body", "FastAPI body param + orjson", "read_body + orjson", "read_body on a LeanRoute + orjson",
+         "FastAPI body param + returned dict"],
         [
-            f"Measured by `{result['command']}` on {m['cpu']}, {m['cores']} cores, "
-            f"{m['memory_gib']} GiB memory, {m['date']}."
+            (label.replace("_", " "),
+             *(ways[f"{way}_{label}_us"] for way in ("fastapi-body", "read-body", "lean", "fastapi-encode")))
+            for label in ("1_text", "32_texts")
         ],
-    )
-    rows = [f"| {k.removesuffix('_us').replace('_', ' ')} | {v} |" for k, v in comp.items()]
-    lines += _section("components", ["| step | CPU µs per call |", "|---|---|", *rows])
-    rows = [f"| {k.removesuffix('_us').replace('_', ' ')} | {v} |" for k, v in contract.items()]
-    lines += _section("contract", ["| request (null backend, no model) | CPU µs |", "|---|---|", *rows])
-    rows = []
-    for label in ("1_text", "32_texts"):
-        row = [ways[f"{way}_{label}_us"] for way in ("fastapi-body", "read-body", "lean", "fastapi-encode")]
-        rows.append(f"| {label.replace('_', ' ')} | " + " | ".join(str(v) for v in row) + " |")
-    head = (
-        "| body | FastAPI body param + orjson | read_body + orjson | read_body on a LeanRoute + orjson"
-        " | FastAPI body param + returned dict |"
-    )
-    lines += _section("parse_and_encode", [head, "|---|---|---|---|---|", *rows])
-    rows = []
-    for name in ("null_backend", "stage1_naive", "stage2_threadpool"):
-        r = sock[name]
-        rows.append(
-            f"| {name.replace('_', ' ')} | {r['requests_per_s']} | {r['p50_ms']} | {r['p99_ms']} "
-            f"| {r['probe_p50_ms']} | {r['probe_max_ms']} | {r['errors']} |"
-        )
+    )  # fmt: skip
     engine = sock["engine_alone_texts_per_s"]
-    lines += _section(
-        "sockets",
-        [
-            f"{sock['clients']} closed-loop clients, one short query per request, `/health` probed every"
-            " 50 ms on its own connection:",
-            "",
-            "| server | req/s | p50 ms | p99 ms | /health p50 ms | /health max ms | errors |",
-            "|---|---|---|---|---|---|---|",
-            *rows,
-            "",
-            f"The engine alone, same texts, no HTTP: {engine['1']} texts/s one at a time,"
-            f" {engine['32']} texts/s in batches of 32.",
-        ],
-    )
-    return "\n".join(lines)
+    sections["sockets"] = [
+        f"{sock['clients']} closed-loop clients, one short query per request, `/health` probed every"
+        " 50 ms on its own connection:",
+        "",
+        *table(
+            ["server", "req/s", "p50 ms", "p99 ms", "/health p50 ms", "/health max ms", "errors"],
+            [
+                (name.replace("_", " "), r["requests_per_s"], r["p50_ms"], r["p99_ms"], r["probe_p50_ms"],
+                 r["probe_max_ms"], r["errors"])
+                for name in ("null_backend", "stage1_naive", "stage2_threadpool")
+                for r in [sock[name]]
+            ],
+        ),
+        "",
+        f"The engine alone, same texts, no HTTP: {engine['1']} texts/s one at a time,"
+        f" {engine['32']} texts/s in batches of 32.",
+    ]  # fmt: skip
+    return page(result["stamp"], sections)
+
+
+def headline(result: dict[str, Any]) -> dict[str, float]:
+    sock = result["sockets"]
+    out = {
+        f"{n} req/s": sock[n]["requests_per_s"] for n in ("null_backend", "stage1_naive", "stage2_threadpool")
+    }
+    out["embed 1 text, null backend, CPU µs"] = result["in_process"]["contract_null_backend"][
+        "embed_1_text_us"
+    ]
+    return out
 
 
 def profile_embed(seconds: float) -> None:
@@ -350,31 +314,32 @@ def profile_embed(seconds: float) -> None:
     asyncio.run(run())
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="short rounds, to check that it works")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of /v1/embed and stop")
     parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, help="folder for stage2_overhead.json and .md")
+    evidence.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.profile:
         profile_embed(3.0 if args.quick else 10.0)
         return
-    (REPO / ".benchmarks").mkdir(exist_ok=True)
+    run = evidence.start("benchmarks.stage2_overhead", args, argv)
     seconds = 1.0 if args.quick else 5.0
     engine = Engine.from_settings(Settings())
     engine.warmup()
-    result = {
-        "command": "python -m benchmarks.stage2_overhead" + (" --quick" if args.quick else ""),
-        "machine": machine_info(),
+    result: dict[str, Any] = {
         "components": components(engine, seconds),
         "in_process": in_process(seconds),
-        "sockets": sockets(engine, 3.0 if args.quick else 15.0, args.clients),
+        "sockets": sockets(engine, 3.0 if args.quick else 15.0, args.clients, run.logs("stage2_overhead")),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(result))
-    print(json.dumps(result, indent=2))
+    result["stamp"] = run.stamp()
+    out = args.out or run.results_dir
+    evidence.write_json(out / "stage2_overhead.json", result)
+    evidence.write_text(out / "stage2_overhead.md", markdown(result))
+    print(markdown(result))
+    print(f"wrote {out / 'stage2_overhead.json'} and {out / 'stage2_overhead.md'}")
+    evidence.against_reference(run, "stage2_overhead.json", result, headline)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Stage 3's measurements: the targets against stage 2 and the engine, and where batching stops paying.
 
     python -m benchmarks.stage3            # about 8 minutes; run it on a quiet machine
-    python -m benchmarks.stage3 --quick    # a few seconds per point, to see that it all works
+    python -m benchmarks.stage3 --quick    # a few seconds per point, about 3 minutes
+    python -m benchmarks.stage3 --record   # written to docs/results/ and docs/img/
 
-Writes docs/results/stage3_sweep.json, docs/results/stage3.md (the tables the chapter includes)
-and docs/img/stage3_sweep.png. One run, one machine:
+Writes stage3_sweep.json, stage3.md (the tables the chapter includes) and stage3_sweep.png.
+One run, one machine:
 
 * ``engine``: the engine alone on the same sentences at its best batch size (the ceiling), and
   what one more model call costs, in padded tokens (k calls of one row against one of k rows).
@@ -41,14 +42,13 @@ from benchmarks.compare import engine_ceiling
 from benchmarks.stage3_report import markdown, plot
 from common.engine import Engine
 from common.settings import Settings
-from loadtests.harness import REPO, running_stage, settle
+from loadtests import evidence
+from loadtests.harness import settle
 from loadtests.httpload import post_requests, run_load
-from loadtests.machine import machine_info
+from loadtests.procs import running_stage
 from stage0_script import corpus
-from stage3_batching.batcher import Batcher
+from stage3_batching.app import RefinedBatcher
 
-RESULTS_DIR = REPO / "docs" / "results"
-PLOT = REPO / "docs" / "img" / "stage3_sweep.png"
 HOST = "127.0.0.1"
 BATCH_SIZES = (1, 4, 8, 16, 32, 64)
 WINDOWS_MS = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0)
@@ -68,11 +68,11 @@ def run_stage(
 ) -> list[dict[str, Any]]:
     """Start ``stage`` once with ``env`` and measure each (text kind, clients) point."""
     results = []
-    log = REPO / ".benchmarks" / f"{stage}-{port}.log"
-    with running_stage(stage, HOST, port, log, env) as process:
-        url = f"http://{HOST}:{port}"
+    with running_stage(stage, evidence.OUT / "logs" / "stage3", env, port=port or None, host=HOST) as server:
+        url = server.url
+        port = server.port
         for kind, clients in points:
-            settle(process.pid, url)
+            settle(server.pid, url)
             before = _batcher_metrics(url)
             point = load(
                 port, bodies_for(kind, 20_000, seed=31 + clients), clients, args.duration, args.warmup
@@ -117,8 +117,8 @@ SENTENCES, MIXED = [("sentence", 1), ("sentence", 32)], [("mixed", 32)]
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     port, s3 = args.port, "stage3_batching"
-    out: dict[str, Any] = {"machine": machine_info(), "duration_s": args.duration, "warmup_s": args.warmup}
-    out["machine"]["load_average_before"] = os.getloadavg()[0]  # other work on the machine shows here
+    out: dict[str, Any] = {"duration_s": args.duration, "warmup_s": args.warmup}
+    out["load_average"] = {"before": os.getloadavg()[0]}  # other work on the machine shows here
     print("engine alone ...", flush=True)
     out["engine"] = engine_ceiling(["sentence"], args.ceiling_seconds)["sentence"]
     out["engine"]["call_overhead"] = call_overhead()
@@ -145,7 +145,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for split in ("true", "false"):
         env = {"MODEL_VARIANT": "int8-static", "SPLIT_BY_LENGTH": split}
         out["variant"] += run_stage(s3, env, SENTENCES[1:], args, port)
-    out["machine"]["load_average_after"] = os.getloadavg()[0]
+    out["load_average"]["after"] = os.getloadavg()[0]
     out["summary"] = summarize(out)
     return out
 
@@ -192,7 +192,7 @@ async def burst(n: int = 256) -> list[dict[str, Any]]:
     results = []
     for group, split in ((False, False), (True, False), (True, True)):
         settings = Settings(group_by_length=group, split_by_length=split)
-        batcher = Batcher(engine.run, settings)
+        batcher = RefinedBatcher(engine.run, settings)
         await batcher.start()
         start = time.perf_counter()
         await asyncio.gather(*(batcher.submit([t]) for t in tokens))
@@ -224,28 +224,40 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
     return {"measured": measured, "target": target, "met": met}
 
 
+def headline(out: dict[str, Any]) -> dict[str, float]:
+    pick = {(p["stage"], p["clients"]): p["requests_per_s"] for p in out["targets"]}
+    return {
+        "engine alone, texts/s": out["engine"]["texts_per_s"],
+        "stage 2, 32 clients, req/s": pick[("stage2_threadpool", 32)],
+        "stage 3, 32 clients, req/s": pick[("stage3_batching", 32)],
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="2 s per point: check that it all runs.")
     parser.add_argument("--duration", type=float, help="Seconds measured per point (default 10).")
     parser.add_argument("--warmup", type=float, help="Seconds of load before each point (default 2).")
     parser.add_argument("--ceiling-seconds", type=float, help="Seconds per batch size for the engine alone.")
-    parser.add_argument("--port", type=int, default=8931)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="Folder for the JSON and markdown.")
-    parser.add_argument("--plot", type=Path, default=PLOT)
+    parser.add_argument("--port", type=int, default=0, help="Port for the servers (0: a free one each).")
+    parser.add_argument("--out", type=Path, help="Folder for the JSON and markdown.")
+    parser.add_argument("--img", type=Path, help="Folder for stage3_sweep.png.")
+    evidence.add_arguments(parser)
     args = parser.parse_args(argv)
+    run = evidence.start("benchmarks.stage3", args, argv)
     args.duration = args.duration or (2.0 if args.quick else 10.0)
     args.warmup = args.warmup or (0.5 if args.quick else 2.0)
     args.ceiling_seconds = args.ceiling_seconds or (0.5 if args.quick else 3.0)
-    out = measure(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "stage3_sweep.json").write_text(json.dumps(out, indent=2) + "\n")
-    (args.out / "stage3.md").write_text(markdown(out))
-    plot(out, args.plot)
+    out = {"stamp": {}, **measure(args)}
+    out["stamp"] = run.stamp()
+    folder, img = args.out or run.results_dir, args.img or run.img_dir
+    evidence.write_json(folder / "stage3_sweep.json", out)
+    evidence.write_text(folder / "stage3.md", markdown(out))
+    plot(out, img / "stage3_sweep.png")
     print(json.dumps(out["summary"], indent=2))
-    print(f"wrote {args.out}/stage3_sweep.json, {args.out}/stage3.md and {args.plot}")
+    print(f"wrote {folder}/stage3_sweep.json, {folder}/stage3.md and {img}/stage3_sweep.png")
+    evidence.against_reference(run, "stage3_sweep.json", out, headline)
 
 
 if __name__ == "__main__":

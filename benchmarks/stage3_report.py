@@ -1,47 +1,58 @@
-"""The tables and the plot of ``python -m benchmarks.stage3`` (docs/results/stage3.md, docs/img)."""
+"""The tables and the plot of ``python -m benchmarks.stage3`` (stage3.md, stage3_sweep.png)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from loadtests.evidence import save_figure
+from loadtests.tables import num, page, table
 
-def _row(*cells: Any) -> str:
-    return "| " + " | ".join(f"{c:.1f}" if isinstance(c, float) else str(c) for c in cells) + " |"
+HTTP_HEAD = ["clients", "req/s", "p50 ms", "p99 ms", "avg batch", "padding"]
 
 
 def _http_table(points: list[dict[str, Any]], first: str, key: str) -> list[str]:
-    lines = [f"| {first} | clients | req/s | p50 ms | p99 ms | avg batch | padding |", "|---" * 7 + "|"]
-    for p in points:
-        batch = p.get("average_batch_size")
-        pad = p.get("padding_ratio")
-        lines.append(_row(p[key] if key in p else p["stage"], p["clients"], p["requests_per_s"],
-                          p["p50_ms"], p["p99_ms"], f"{batch:.1f}" if batch else "-",
-                          f"{pad:.0%}" if pad is not None else "-"))  # fmt: skip
-    return lines
+    return table(
+        [first, *HTTP_HEAD],
+        [
+            (p[key] if key in p else p["stage"], p["clients"], num(p["requests_per_s"]), num(p["p50_ms"]),
+             num(p["p99_ms"]), num(p.get("average_batch_size") or None),
+             "–" if p.get("padding_ratio") is None else f"{p['padding_ratio']:.0%}")
+            for p in points
+        ],
+    )  # fmt: skip
+
+
+def _setting(point: dict[str, Any]) -> str:
+    keys = ("group_by_length", "split_by_length", "model_variant")
+    return ", ".join(f"{k.upper()}={point[k]}" for k in keys if k in point) or "defaults"
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 def markdown(out: dict[str, Any]) -> str:
-    m, e = out["machine"], out["engine"]
-    call = e["call_overhead"]
-    burst_head = "| texts | grouping | length buckets | batches | model calls | padding | texts/s |"
+    e, cores = out["engine"], out["stamp"]["machine"]["logical_cores"]
+    call, load = e["call_overhead"], out["load_average"]
+    note = (
+        f"{out['duration_s']:.0f} s per point; 1-minute load average {load['before']:.1f} before the run"
+        f" and {load['after']:.1f} after"
+        + (f" (above {cores} before it: other work shared the cores, and the absolute numbers are low)."
+           if load["before"] > cores else ".")
+    )  # fmt: skip
+    summary = out["summary"]
     sections = {
-        "machine": [f"Measured by `python -m benchmarks.stage3` on {m['cpu']}, {m['cores']} cores, "
-                    f"{m['memory_gib']} GiB memory, {m['date']}; {out['duration_s']:.0f} s per point; "
-                    f"1-minute load average {m.get('load_average_before', 0):.1f} before the run and "
-                    f"{m.get('load_average_after', 0):.1f} after"
-                    + (f" (above {m['cores']} before it: other work shared the cores, and the absolute "
-                       "numbers are low)." if m.get("load_average_before", 0) > m["cores"] else ".")],
         "engine": [f"Engine alone on the same sentences: **{e['texts_per_s']:.0f} texts/s** at batch "
                    f"{e['best_batch']}, {e.get('best_calls_at_once', 1)} call(s) side by side. "
                    f"One more model call costs about {call['fixed_ms']:.2f} ms of CPU, "
                    f"as much as **{call['tokens']:.0f} padded tokens**."],
-        "engine_batches": [_row("batch size", *e["by_batch"]), "|---" * (len(e["by_batch"]) + 1) + "|",
-                           _row("texts/s", *(f"{v:.0f}" for v in e["by_batch"].values()))],
+        "engine_batches": table(["batch size", *e["by_batch"]],
+                                [["texts/s", *(num(v, 0) for v in e["by_batch"].values())]]),
         "targets": _http_table(out["targets"], "stage", "stage"),
-        "summary": ["| ratio | measured | target | met |", "|---|---|---|---|"]
-        + [_row(k, f"{v:.2f}", out["summary"]["target"][k], "yes" if out["summary"]["met"][k] else "**no**")
-           for k, v in out["summary"]["measured"].items()],
+        "summary": table(["ratio", "measured", "target", "met"],
+                         [(k, f"{v:.2f}", summary["target"][k], "yes" if summary["met"][k] else "**no**")
+                          for k, v in summary["measured"].items()], align="lrrl"),
         "batch_size": _http_table(out["batch_size"], "MAX_BATCH_SIZE", "max_batch_size"),
         "window": _http_table(out["window"], "BATCH_WINDOW_MS", "batch_window_ms"),
         "concurrency": _http_table(
@@ -50,26 +61,18 @@ def markdown(out: dict[str, Any]) -> str:
             "BATCH_CONCURRENCY, BATCH_WINDOW_MS", "setting"),
         "mixed": _http_table([{**p, "setting": _setting(p)} for p in out["mixed"]], "setting", "setting"),
         "variant": _http_table([{**p, "setting": _setting(p)} for p in out["variant"]], "setting", "setting"),
-        "burst": [burst_head, "|---" * 7 + "|"]
-        + [_row(b["texts"], "on" if b["group_by_length"] else "off", "on" if b["split_by_length"] else "off",
-                b["batches"], b["model_calls"], f"{b['padding_ratio']:.0%}", b["texts_per_s"])
-           for b in out["burst"]],
-        "batch_mates": ["| variant | texts | min cosine | mean cosine |", "|---|---|---|---|"]
-        + [_row(v, c["texts"], f"{c['min_cosine']:.4f}", f"{c['mean_cosine']:.4f}")
-           for v, c in out["batch_mates"].items()],
+        "burst": table(["texts", "grouping", "buckets", "batches", "model calls", "padding", "texts/s"],
+                       [(b["texts"], _on(b["group_by_length"]), _on(b["split_by_length"]), b["batches"],
+                         b["model_calls"], f"{b['padding_ratio']:.0%}", num(b["texts_per_s"]))
+                        for b in out["burst"]]),
+        "batch_mates": table(["variant", "texts", "min cosine", "mean cosine"],
+                             [(v, c["texts"], num(c["min_cosine"], 4), num(c["mean_cosine"], 4))
+                              for v, c in out["batch_mates"].items()]),
     }  # fmt: skip
-    text = ["<!-- generated by `python -m benchmarks.stage3`; do not edit -->"]
-    for name, lines in sections.items():
-        text += [f"<!-- --8<-- [start:{name}] -->", *lines, f"<!-- --8<-- [end:{name}] -->", ""]
-    return "\n".join(text)
+    return page(out["stamp"], sections, note)
 
 
-def _setting(point: dict[str, Any]) -> str:
-    keys = ("group_by_length", "split_by_length", "model_variant")
-    return ", ".join(f"{k.upper()}={point[k]}" for k in keys if k in point) or "defaults"
-
-
-def plot(out: dict[str, Any], path: Path) -> None:
+def plot(out: dict[str, Any], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,8 +94,12 @@ def plot(out: dict[str, Any], path: Path) -> None:
         twin.set_ylabel("p99 latency (ms)", color="#c0392b")
         twin.set_ylim(bottom=0)
         ax.legend(loc="lower right")
-    m = out["machine"]
-    fig.suptitle(f"stage 3, unique sentences: {m['cpu']} ({m['cores']} cores), {m['date'][:10]}")
+    stamp = out["stamp"]
+    m = stamp["machine"]
+    fig.suptitle(
+        f"stage 3, unique sentences: {m['cpu_model']} ({m['logical_cores']} cores), {stamp['date'][:10]}"
+    )
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, stamp)
+    plt.close(fig)
+    return path

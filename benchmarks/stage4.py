@@ -1,4 +1,8 @@
-"""`make bench-stage4`: the stage 4 measurements, written to docs/results/stage4.json and stage4.md.
+"""`make bench-stage4`: the stage 4 measurements (stage4.json and stage4.md).
+
+    python -m benchmarks.stage4            # about 3 minutes
+    python -m benchmarks.stage4 --quick    # about a minute: fewer requests, one round
+    python -m benchmarks.stage4 --record   # written to docs/results/
 
 1. Latency of a cache hit in the memory tier and in the Redis tier, against a miss (same run).
 2. Redis from Python: one pooled client versus a new connection per command (same Redis, same run).
@@ -13,35 +17,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-import shutil
-import socket
-import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
-import redis
+import orjson
 import redis.asyncio as aioredis
 
-from loadtests.harness import REPO, running_stage
-from loadtests.machine import machine_info
+from loadtests import evidence
+from loadtests.httpload import Answer, closed_loop, post_requests
+from loadtests.procs import StageProcess, any_redis, running_stage
+from loadtests.tables import num, page, table
 from stage0_script import corpus
 
 S3, S4 = "stage3_batching", "stage4_cache_backpressure"
-OUT = REPO / "docs" / "results"
-LOGS = REPO / "out" / "bench-stage4"  # git-ignored server logs
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+LOGS = evidence.OUT / "logs" / "stage4"  # git-ignored server logs
 
 
 def _ms(values: list[float]) -> dict[str, float]:
@@ -54,33 +49,9 @@ def _ms(values: list[float]) -> dict[str, float]:
 
 
 @contextmanager
-def _redis() -> Iterator[str]:
-    shared = "redis://127.0.0.1:6379/0"
-    try:
-        if redis.Redis.from_url(shared, socket_timeout=1).ping():
-            yield shared
-            return
-    except redis.RedisError:
-        pass
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("no Redis at 127.0.0.1:6379 and no redis-server installed")
-    port = _port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL)  # fmt: skip
-    try:
-        time.sleep(0.5)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait()
-
-
-@contextmanager
-def _stage(stage: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    port = _port()
-    with running_stage(stage, "127.0.0.1", port, LOGS / f"{stage}-{port}.log", env):
-        yield f"http://127.0.0.1:{port}"
+def _stage(stage: str, env: dict[str, str] | None = None) -> Iterator[StageProcess]:
+    with running_stage(stage, LOGS, env) as server:
+        yield server
 
 
 def _fresh(n: int, kind: str = "sentence") -> list[str]:
@@ -88,27 +59,28 @@ def _fresh(n: int, kind: str = "sentence") -> list[str]:
 
 
 # --- 1. hit latency by tier -----------------------------------------------------------------
-def _sequential(url: str, texts: list[str]) -> tuple[list[float], list[str]]:
-    times, states = [], []
-    with httpx.Client(timeout=60) as client:
-        for text in texts:
-            started = time.perf_counter()
-            response = client.post(f"{url}/v1/embed", json={"inputs": [text]})
-            times.append(time.perf_counter() - started)
-            response.raise_for_status()
-            states.append(response.headers["x-cache"])
-    return times, states
+def _send(server: StageProcess, texts: list[str], clients: int, keep_alive: bool = True) -> list[Answer]:
+    """Each text once, one text per request, ``clients`` at a time (closed loop)."""
+    requests = post_requests("/v1/embed", [orjson.dumps({"inputs": [t]}) for t in texts])
+    loop = closed_loop(server.host, server.port, requests, clients, keep_alive=keep_alive, timeout=300)
+    return asyncio.run(loop)
+
+
+def _sequential(server: StageProcess, texts: list[str]) -> tuple[list[float], list[str]]:
+    answers = _send(server, texts, clients=1)
+    assert all(a.status == 200 for a in answers), [a.status for a in answers]
+    return [a.ms / 1e3 for a in answers], [a.headers["x-cache"] for a in answers]
 
 
 def tier_latency(redis_url: str, n: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     setups = {"memory": {}, "redis": {"CACHE_URL": redis_url, "CACHE_MAX_ITEMS": "0"}}
     for tier, env in setups.items():
-        with _stage(S4, env) as url:
-            _sequential(url, _fresh(20))  # warm the connection and the allocator
+        with _stage(S4, env) as server:
+            _sequential(server, _fresh(20))  # warm the connection and the allocator
             texts = _fresh(n)
-            miss, miss_states = _sequential(url, texts)
-            hit, hit_states = _sequential(url, texts)
+            miss, miss_states = _sequential(server, texts)
+            hit, hit_states = _sequential(server, texts)
             assert set(miss_states) == {"miss"} and set(hit_states) == {"hit"}, (miss_states, hit_states)
             out[f"{tier}_hit"] = _ms(hit)
             out[f"miss_{tier}_server"] = _ms(miss)
@@ -135,35 +107,23 @@ async def redis_connections(url: str, n: int) -> dict[str, Any]:
 
 
 # --- 3 and 4. concurrent workloads ----------------------------------------------------------
-async def _fire(url: str, texts: list[str], concurrency: int, keep_alive: bool = True) -> dict[str, Any]:
-    """Status 0 in the results: the connection failed (counted, never hidden)."""
-    gate = asyncio.Semaphore(concurrency)
-    keep = concurrency if keep_alive else 0  # off: every request is its own client, as in the seed
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=keep)
-    async with httpx.AsyncClient(limits=limits, timeout=300) as client:
-
-        async def one(text: str) -> tuple[int, float, float | None]:
-            async with gate:
-                started = time.perf_counter()
-                try:
-                    response = await client.post(f"{url}/v1/embed", json={"inputs": [text]})
-                except httpx.TransportError:
-                    return 0, time.perf_counter() - started, None
-                server_ms = response.headers.get("x-total-time")  # the server's own time
-                server_s = float(server_ms) / 1e3 if server_ms else None
-                return response.status_code, time.perf_counter() - started, server_s
-
-        started = time.perf_counter()
-        results = await asyncio.gather(*(one(t) for t in texts))
-        wall = time.perf_counter() - started
+def _fire(
+    server: StageProcess, texts: list[str], concurrency: int, keep_alive: bool = True
+) -> dict[str, Any]:
+    """Status 0 in the results: the connection failed (counted, never hidden).
+    ``keep_alive=False``: a new connection per request, as the seed's clients did."""
+    started = time.perf_counter()
+    answers = _send(server, texts, concurrency, keep_alive)
+    wall = time.perf_counter() - started
     by_status: dict[str, Any] = {}
-    for status in sorted({s for s, _, _ in results}):
-        by_status[str(status)] = _ms([lat for s, lat, _ in results if s == status])
-        server = [t for s, _, t in results if s == status and t is not None]
-        if server:
-            by_status[str(status)]["server_p50_ms"] = _ms(server)["p50_ms"]
+    for status in sorted({a.status for a in answers}):
+        mine = [a for a in answers if a.status == status]
+        by_status[str(status)] = _ms([a.ms / 1e3 for a in mine])
+        server_s = [float(a.headers["x-total-time"]) / 1e3 for a in mine if "x-total-time" in a.headers]
+        if server_s:  # the server's own time
+            by_status[str(status)]["server_p50_ms"] = _ms(server_s)["p50_ms"]
     return {"requests": len(texts), "concurrency": concurrency, "wall_s": round(wall, 3),
-            "rps": round(len(texts) / wall, 1), "latency": _ms([lat for _, lat, _ in results]),
+            "rps": round(len(texts) / wall, 1), "latency": _ms([a.ms / 1e3 for a in answers]),
             "by_status": by_status}  # fmt: skip
 
 
@@ -175,15 +135,15 @@ def repeated(requests: int, unique_ratio: float, concurrency: int, rounds: int) 
     out: dict[str, Any] = {"requests": requests, "unique_ratio": unique_ratio, "rounds": rounds}
     for stage in (S3, S4):
         runs = []
-        with _stage(stage) as url:
-            asyncio.run(_fire(url, _fresh(64), 8))  # warm-up, texts never used again
+        with _stage(stage) as server:
+            _fire(server, _fresh(64), 8)  # warm-up, texts never used again
             for _ in range(rounds):  # every round has new texts: a cold cache each time
                 unique = _fresh(int(requests * unique_ratio))
                 texts = unique + [random.choice(unique) for _ in range(requests - len(unique))]
                 random.shuffle(texts)
-                before = _texts_run(url)
-                run = asyncio.run(_fire(url, texts, concurrency))
-                run["model_texts"] = _texts_run(url) - before
+                before = _texts_run(server.url)
+                run = _fire(server, texts, concurrency)
+                run["model_texts"] = _texts_run(server.url) - before
                 runs.append(run)
         best = sorted(runs, key=lambda r: r["rps"])[len(runs) // 2]  # the median round
         out[stage] = {"median_round": best, "rps_all_rounds": [r["rps"] for r in runs]}
@@ -194,113 +154,111 @@ def repeated(requests: int, unique_ratio: float, concurrency: int, rounds: int) 
 def overload(requests: int, concurrency: int, max_queue: int) -> dict[str, Any]:
     out: dict[str, Any] = {"requests": requests, "concurrency": concurrency, "max_queue": max_queue}
     for stage, env in ((S4, {"MAX_QUEUE": str(max_queue)}), (S3, {})):
-        with _stage(stage, env) as url:
-            asyncio.run(_fire(url, _fresh(32), 8))
+        with _stage(stage, env) as server:
+            _fire(server, _fresh(32), 8)
             texts = _fresh(requests, kind="passage")
-            out[stage] = asyncio.run(_fire(url, texts, concurrency, keep_alive=False))
+            out[stage] = _fire(server, texts, concurrency, keep_alive=False)
             started = time.perf_counter()
-            healthy = httpx.get(f"{url}/health", timeout=10).status_code == 200
+            healthy = httpx.get(f"{server.url}/health", timeout=10).status_code == 200
             out[stage]["health_after_ms"] = round((time.perf_counter() - started) * 1e3, 2)
             out[stage]["healthy_after"] = healthy
     return out
 
 
 # --- the report ---------------------------------------------------------------------------
-def _row(name: str, m: dict[str, Any]) -> str:
-    return f"| {name} | {m.get('n', 0)} | {m.get('p50_ms', 0):.2f} | {m.get('p99_ms', 0):.2f} |"
+def _latency_rows(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    return table(["request", "n", "p50 ms", "p99 ms"],
+                 [(name, m.get("n", 0), num(m.get("p50_ms", 0), 2), num(m.get("p99_ms", 0), 2))
+                  for name, m in rows])  # fmt: skip
 
 
 def markdown(r: dict[str, Any]) -> str:
-    m, t, c, rep, ov = r["machine"], r["tiers"], r["redis_connections"], r["repeated"], r["overload"]
-    lines = [
-        f"<!-- generated by `{r['command']}`; do not edit -->",
-        "<!-- --8<-- [start:machine] -->",
-        f"Measured by `{r['command']}` on {m['cpu']}, {m['cores']} cores, "
-        f"{m['memory_gib']} GiB memory, {m['date']}.",
-        "<!-- --8<-- [end:machine] -->",
-        "",
-        "<!-- --8<-- [start:tiers] -->",
+    t, c, rep, ov = r["tiers"], r["redis_connections"], r["repeated"], r["overload"]
+    sections: dict[str, list[str]] = {}
+    sections["tiers"] = [
         "**Cache hit latency by tier** (sequential requests of one text, client side):",
         "",
-        "| request | n | p50 ms | p99 ms |",
-        "|---|---|---|---|",
-        _row("hit, memory tier", t["memory_hit"]),
-        _row("hit, Redis tier", t["redis_hit"]),
-        _row("miss (memory-only server)", t["miss_memory_server"]),
-        _row("miss (Redis-only server)", t["miss_redis_server"]),
-        "<!-- --8<-- [end:tiers] -->",
-        "",
-        "<!-- --8<-- [start:redis] -->",
+        *_latency_rows([("hit, memory tier", t["memory_hit"]), ("hit, Redis tier", t["redis_hit"]),
+                        ("miss (memory-only server)", t["miss_memory_server"]),
+                        ("miss (Redis-only server)", t["miss_redis_server"])]),
+    ]  # fmt: skip
+    sections["redis"] = [
         f"**Redis GET of {c['value_bytes']} bytes** (local Redis, interleaved, same run):",
         "",
-        "| client | n | p50 ms | p99 ms |",
-        "|---|---|---|---|",
-        _row("one pooled client", c["pooled"]),
-        _row("new connection per command", c["new_connection_per_command"]),
-        "<!-- --8<-- [end:redis] -->",
-        "",
-        "<!-- --8<-- [start:repeated] -->",
+        *_latency_rows([("one pooled client", c["pooled"]),
+                        ("new connection per command", c["new_connection_per_command"])]),
+    ]  # fmt: skip
+    runs = {stage: rep[stage]["median_round"] for stage in (S3, S4)}
+    sections["repeated"] = [
         f"**Repeated texts** ({rep['requests']} requests, unique ratio {rep['unique_ratio']}, "
-        f"concurrency {rep[S3]['median_round']['concurrency']}, median of {rep['rounds']} cold rounds):",
+        f"concurrency {runs[S3]['concurrency']}, median of {rep['rounds']} cold rounds):",
         "",
-        "| stage | req/s | p50 ms | p99 ms | texts the model ran |",
-        "|---|---|---|---|---|",
-    ]
-    for stage in (S3, S4):
-        run = rep[stage]["median_round"]
-        lat = run["latency"]
-        lines.append(
-            f"| {stage} | {run['rps']} | {lat['p50_ms']:.1f} | {lat['p99_ms']:.1f} | {run['model_texts']} |"
-        )
-    lines += [
+        *table(["stage", "req/s", "p50 ms", "p99 ms", "texts the model ran"],
+               [(stage, run["rps"], num(run["latency"]["p50_ms"]), num(run["latency"]["p99_ms"]),
+                 run["model_texts"]) for stage, run in runs.items()]),
         "",
         f"Stage 4 over stage 3: {rep['speedup']}x the requests per second.",
-        "<!-- --8<-- [end:repeated] -->",
-        "",
-        "<!-- --8<-- [start:overload] -->",
+    ]  # fmt: skip
+    rows = []
+    for stage in (S4, S3):
+        for status, s in ov[stage]["by_status"].items():
+            own = num(s["server_p50_ms"], 2) if "server_p50_ms" in s else "–"
+            label = "connection failed" if status == "0" else status
+            rows.append((stage, label, s["n"], num(s["p50_ms"]), num(s["p99_ms"]), own))
+    sections["overload"] = [
         f"**Overload** ({ov['requests']} requests of one passage each at concurrency {ov['concurrency']}; "
         f"stage 4 with MAX_QUEUE={ov['max_queue']}, stage 3 unbounded):",
         "",
-        "| stage | status | count | p50 ms | p99 ms | p50 ms, the server's own (x-total-time) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for stage in (S4, S3):
-        for status, s in ov[stage]["by_status"].items():
-            label = "connection failed" if status == "0" else status
-            own = f"{s['server_p50_ms']:.2f}" if "server_p50_ms" in s else "-"
-            lines.append(f"| {stage} | {label} | {s['n']} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {own} |")
-    lines.append("")
-    for stage in (S4, S3):
-        run = ov[stage]
-        lines.append(f"- {stage}: all answered in {run['wall_s']} s; `/health` right after: "
-                     f"{run['health_after_ms']} ms.")  # fmt: skip
-    lines.append("<!-- --8<-- [end:overload] -->")
-    return "\n".join(lines) + "\n"
+        *table(["stage", "status", "count", "p50 ms", "p99 ms", "p50 ms, the server's own (x-total-time)"],
+               rows, align="llrrrr"),
+        "",
+        *(f"- {stage}: all answered in {ov[stage]['wall_s']} s; `/health` right after: "
+          f"{ov[stage]['health_after_ms']} ms." for stage in (S4, S3)),
+    ]  # fmt: skip
+    return page(r["stamp"], sections) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def headline(r: dict[str, Any]) -> dict[str, float]:
+    return {
+        "memory-tier hit p50 ms": r["tiers"]["memory_hit"]["p50_ms"],
+        "Redis-tier hit p50 ms": r["tiers"]["redis_hit"]["p50_ms"],
+        "repeated texts: stage 4 req/s": r["repeated"][S4]["median_round"]["rps"],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--latency-requests", type=int, default=200)
-    parser.add_argument("--redis-commands", type=int, default=500)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--latency-requests", type=int, help="requests per tier (default 200, quick 30)")
+    parser.add_argument("--redis-commands", type=int, help="GETs per client kind (default 500, quick 100)")
+    parser.add_argument(
+        "--rounds", type=int, help="cold rounds of the repeated workload (default 3, quick 1)"
+    )
+    parser.add_argument("--out", type=Path, help="folder for stage4.json and stage4.md")
+    evidence.add_arguments(parser)
     args = parser.parse_args(argv)
-    result: dict[str, Any] = {"command": "make bench-stage4", "machine": machine_info()}
-    with _redis() as url:
+    run = evidence.start("benchmarks.stage4", args, argv)
+    latency = args.latency_requests or (30 if args.quick else 200)
+    commands = args.redis_commands or (100 if args.quick else 500)
+    rounds = args.rounds or (1 if args.quick else 3)
+    result: dict[str, Any] = {}
+    with any_redis() as url:
         print("1/4 cache hit latency by tier", flush=True)
-        result["tiers"] = tier_latency(url, args.latency_requests)
+        result["tiers"] = tier_latency(url, latency)
         print("2/4 Redis: pooled versus new connection per command", flush=True)
-        result["redis_connections"] = asyncio.run(redis_connections(url, args.redis_commands))
+        result["redis_connections"] = asyncio.run(redis_connections(url, commands))
     print("3/4 repeated-text workload, stage 3 and stage 4", flush=True)
-    result["repeated"] = repeated(100, 0.3, 8, args.rounds)
+    result["repeated"] = repeated(100, 0.3, 8, rounds)
     print("4/4 overload, stage 4 and stage 3", flush=True)
     result["overload"] = overload(300, 200, 5)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "stage4.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "stage4.md").write_text(markdown(result))
+    result["stamp"] = run.stamp()
+    out = args.out or run.results_dir
+    evidence.write_json(out / "stage4.json", result)
+    evidence.write_text(out / "stage4.md", markdown(result))
     print(markdown(result))
+    print(f"wrote {out / 'stage4.json'} and {out / 'stage4.md'}")
+    evidence.against_reference(run, "stage4.json", result, headline)
 
 
 if __name__ == "__main__":

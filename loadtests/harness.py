@@ -1,4 +1,4 @@
-"""What `make compare` and `make loadtest` share: start a stage, warm it, run Locust, measure CPU.
+"""What `make compare` and `make loadtest` share: the profiles, warm-up, one Locust run, CPU shares.
 
 Locust runs as ONE subprocess (``python -m locust --headless``, FastHttpUser) so its CPU use can
 be measured apart from the server's. This module never imports locust: locust monkey-patches
@@ -7,25 +7,25 @@ the standard library with gevent on import, and this process also starts servers
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
+import orjson
 import psutil
 
+from loadtests.httpload import closed_loop, post_requests
 from stage0_script import corpus
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,74 +71,6 @@ COMPARE_WITHOUT = ("CACHE_URL",)
 # --8<-- [end:profiles]
 
 
-def server_command(stage: str) -> list[str]:
-    """Exactly what `make stageN` runs."""
-    return [sys.executable, "-m", "common.serve", stage]
-
-
-def server_env(
-    host: str, port: int, extra: dict[str, str] | None = None, without: tuple[str, ...] = ()
-) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k.upper() not in without}
-    return {**env, "HOST": host, "PORT": str(port), **(extra or {})}
-
-
-def is_up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/ready", timeout=1.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def wait_ready(url: str, process: subprocess.Popen[bytes] | None, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not is_up(url):
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode} before it was ready")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
-        time.sleep(0.2)
-
-
-@contextmanager
-def running_stage(
-    stage: str,
-    host: str,
-    port: int,
-    log_path: Path,
-    env: dict[str, str] | None = None,
-    without: tuple[str, ...] = (),
-    ready_timeout: float = 180.0,
-) -> Iterator[subprocess.Popen[bytes]]:
-    """Start ``stage`` as `make stageN` does, wait for /ready, and stop it (SIGTERM) on exit.
-
-    ``env`` adds to this process's environment; ``without`` names variables to leave out.
-    """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            server_command(stage),
-            cwd=REPO,
-            env=server_env(host, port, env, without),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        try:
-            wait_ready(f"http://{host}:{port}", process, ready_timeout)
-        except RuntimeError as exc:  # say why: the server's own output
-            raise RuntimeError(f"{stage}: {exc}\n{log_path.read_text(errors='replace')}") from None
-        yield process
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
 def _auth_headers() -> dict[str, str]:
     """The locustfile's --api-key default: the first key of $API_KEY, for servers started with it."""
     key = next((k.strip() for k in os.environ.get("API_KEY", "").split(",") if k.strip()), "")
@@ -146,23 +78,14 @@ def _auth_headers() -> dict[str, str]:
 
 
 def warm_up(url: str, seconds: float, clients: int = 4) -> int:
-    """Send unique sentences from a few threads for ``seconds``; returns how many were answered."""
-    deadline = time.monotonic() + seconds
-    done = [0] * clients
-
-    def worker(i: int) -> None:
-        texts = corpus.stream(WARMUP_SEED * 100 + i, "mixed")
-        with httpx.Client(timeout=60.0, headers=_auth_headers()) as client:
-            while time.monotonic() < deadline:
-                if client.post(f"{url}/v1/embed", json={"inputs": [next(texts)]}).status_code == 200:
-                    done[i] += 1
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(done)
+    """Send unique mixed-length texts from a few clients for ``seconds``; returns how many were answered."""
+    parts = urlsplit(url)
+    texts = corpus.texts(max(200, int(seconds * 400)), seed=WARMUP_SEED, kind="mixed")
+    requests = post_requests("/v1/embed", [orjson.dumps({"inputs": [t]}) for t in texts], _auth_headers())
+    answers = asyncio.run(
+        closed_loop(parts.hostname or "127.0.0.1", parts.port or 80, requests, clients, seconds=seconds)
+    )
+    return sum(a.status == 200 for a in answers)
 
 
 def process_cpu(process: psutil.Process) -> float:
@@ -373,50 +296,3 @@ def run_point(
         server_cores=server_s / window,
         other_cores=max(0.0, (busy_s - server_s - report["cpu_s"]) / window),
     )
-
-
-def machine() -> dict[str, Any]:
-    """The machine a result came from: CPU model, cores, memory, OS."""
-    model = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu_model": model,
-        "logical_cores": psutil.cpu_count(logical=True),
-        "physical_cores": psutil.cpu_count(logical=False),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "os": platform.platform(),
-        "python": platform.python_version(),
-    }
-
-
-def versions() -> dict[str, str]:
-    out = {}
-    for name in ("onnxruntime", "tokenizers", "numpy", "fastapi", "uvicorn", "locust", "redis"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "missing"
-    return out
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        return f"{head}{'+dirty' if dirty else ''}"
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"

@@ -1,10 +1,11 @@
-"""Processes the fault tests, the soak run and the reliability report start and kill.
+"""The processes a measurement or a test starts: a server stage, a private Redis, and free ports.
 
-* ``redis_server``: a private redis-server. The shared Redis on 6379 must never be
-  stopped, so anything that kills, restarts or password-protects Redis starts its own on
-  a free port, with persistence off.
-* ``stage_process``: a server stage started with the command ``make stageN`` runs, on a
-  free port, that can be sent SIGTERM or SIGKILL and started again.
+* ``running_stage``: a server stage started with the command ``make stageN`` runs, on a free
+  port, ready (``/ready`` answers 200) when the block starts and stopped when it ends; its
+  ``StageProcess`` can be sent SIGTERM or SIGKILL and started again on the same port.
+* ``redis_server``: a private redis-server with persistence off. The shared Redis on 6379 must
+  never be stopped, so anything that kills, pauses or password-protects Redis starts its own.
+* ``any_redis``: the shared Redis when it answers, else a private one.
 """
 
 from __future__ import annotations
@@ -16,28 +17,165 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import redis
 
 REPO = Path(__file__).resolve().parent.parent
+SHARED_REDIS = "redis://127.0.0.1:6379/0"
 
 
 def free_port() -> int:
+    """A TCP port nothing listens on right now (the kernel's pick)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
+def answers(url: str, timeout: float = 1.0) -> bool:
+    """``GET url`` answers 200."""
+    try:
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_http(url: str, process: subprocess.Popen[bytes] | None = None, timeout: float = 180.0) -> float:
+    """Wait until ``GET url`` answers 200; fail early if ``process`` exits. Returns the seconds waited."""
+    started = time.monotonic()
+    while not answers(url):
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"exited with {process.returncode} before {url} answered")
+        if time.monotonic() - started > timeout:
+            raise RuntimeError(f"{url} did not answer in {timeout:.0f} s")
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+# --- a server stage ----------------------------------------------------------------------
+def server_command(stage: str) -> list[str]:
+    """Exactly what `make stageN` runs."""
+    return [sys.executable, "-m", "common.serve", stage]
+
+
+def server_env(
+    host: str, port: int, extra: Mapping[str, str] | None = None, without: Sequence[str] = ()
+) -> dict[str, str]:
+    """This process's environment, less ``without``, plus HOST, PORT and ``extra``."""
+    drop = {name.upper() for name in without}
+    env = {k: v for k, v in os.environ.items() if k.upper() not in drop}
+    return {**env, "HOST": host, "PORT": str(port), **(extra or {})}
+
+
+@dataclass
+class StageProcess:
+    """A server stage run as ``make stageN`` runs it, on its own port; it can be killed and restarted."""
+
+    stage: str
+    env: dict[str, str]
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    host: str = "127.0.0.1"
+    without: tuple[str, ...] = ()
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def start(self, ready_timeout: float = 180.0) -> float:
+        """Start and wait for ``/ready``; returns the seconds it took. The log is appended to."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                server_command(self.stage),
+                cwd=REPO,
+                env=server_env(self.host, self.port, self.env, self.without),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            return wait_http(f"{self.url}/ready", self.process, ready_timeout)
+        except RuntimeError as exc:  # say why: the server's own output
+            self.stop()
+            raise RuntimeError(f"{self.stage}: {exc}\n{self.log()}") from None
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.process is not None
+        self.process.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout=timeout)
+
+    def stop(self, timeout: float = 40.0) -> None:
+        """SIGTERM (a graceful drain), then SIGKILL after ``timeout``."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@contextmanager
+def running_stage(
+    stage: str,
+    log_dir: Path,
+    env: Mapping[str, str] | None = None,
+    *,
+    without: Sequence[str] = (),
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    ready_timeout: float = 180.0,
+) -> Iterator[StageProcess]:
+    """``stage`` started and ready, stopped (SIGTERM, then SIGKILL) on exit; its log in ``log_dir``.
+
+    ``env`` adds to this process's environment; ``without`` names variables to leave out.
+    """
+    port = port or free_port()
+    server = StageProcess(stage, dict(env or {}), log_dir / f"{stage}-{port}.log", port, host, tuple(without))
+    server.start(ready_timeout)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# --- Redis -------------------------------------------------------------------------------
+def redis_answers(url: str) -> bool:
+    """A Redis at ``url`` answers PING."""
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except redis.RedisError:
+        return False
+
+
 @dataclass
 class RedisProcess:
-    """One redis-server on ``port``; ``stop()`` and ``start()`` may be called again and again."""
+    """One redis-server on ``port``: ``stop``, ``start`` (same port, empty), ``pause``, ``resume``."""
 
-    port: int
+    port: int = field(default_factory=free_port)
     password: str | None = None
+    workdir: Path | None = None
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -50,112 +188,57 @@ class RedisProcess:
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        if self.workdir is not None:
+            args += ["--dir", str(self.workdir)]
         if self.password:
             args += ["--requirepass", self.password]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while not redis_answers(self.url):
             if self.process.poll() is not None:
                 raise RuntimeError(f"redis-server on port {self.port} exited with {self.process.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server on port {self.port} did not start in {timeout} s")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server on port {self.port} did not start in {timeout} s")
+            time.sleep(0.05)
 
     def stop(self, kill: bool = True) -> None:
         """SIGKILL (a crash) by default; ``kill=False`` sends SIGTERM."""
         if self.process is None or self.process.poll() is not None:
             return
+        self.resume()  # a stopped (SIGSTOP) process would not act on SIGTERM
         if kill:
             self.process.kill()
         else:
             self.process.terminate()
         self.process.wait(timeout=10)
 
-
-@contextmanager
-def redis_server(password: str | None = None) -> Iterator[RedisProcess]:
-    """A private redis-server on a free port, stopped on exit."""
-    redis = RedisProcess(free_port(), password)
-    redis.start()
-    try:
-        yield redis
-    finally:
-        redis.stop()
-
-
-@dataclass
-class StageProcess:
-    """A server stage run as ``make stageN`` runs it, on its own port, that can be killed and restarted."""
-
-    stage: str
-    env: dict[str, str]
-    log_path: Path
-    port: int = field(default_factory=free_port)
-    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open and nothing answers (a hung Redis)."""
         assert self.process is not None
-        return self.process.pid
+        os.kill(self.process.pid, signal.SIGSTOP)
 
-    def start(self, ready_timeout: float = 120.0) -> float:
-        """Start and wait for ``/ready``; returns the seconds it took."""
-        started = time.monotonic()
-        env = {**os.environ, **self.env, "HOST": "127.0.0.1", "PORT": str(self.port)}
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "common.serve", self.stage],
-                cwd=REPO,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        while time.monotonic() - started < ready_timeout:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.stage} exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=1.0).status_code == 200:
-                    return time.monotonic() - started
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"{self.stage} not ready after {ready_timeout} s:\n{self.log()}")
-
-    def signal(self, sig: signal.Signals) -> None:
-        assert self.process is not None
-        self.process.send_signal(sig)
-
-    def wait(self, timeout: float) -> int:
-        assert self.process is not None
-        return self.process.wait(timeout=timeout)
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+    def resume(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
 
 
 @contextmanager
-def stage_process(stage: str, log_dir: Path, env: dict[str, str] | None = None) -> Iterator[StageProcess]:
-    """A started stage, stopped (SIGTERM, then SIGKILL) on exit."""
-    server = StageProcess(stage, env or {}, log_dir / f"{stage}-{os.getpid()}-{free_port()}.log")
+def redis_server(password: str | None = None, workdir: Path | None = None) -> Iterator[RedisProcess]:
+    """A private redis-server on a free port, killed on exit."""
+    server = RedisProcess(password=password, workdir=workdir)
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@contextmanager
+def any_redis(workdir: Path | None = None) -> Iterator[str]:
+    """The URL of the shared Redis when it answers, else of a private one (killed on exit)."""
+    if redis_answers(SHARED_REDIS):
+        yield SHARED_REDIS
+        return
+    with redis_server(workdir=workdir) as server:
+        yield server.url

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import json
 import os
 import signal
 import subprocess
@@ -24,23 +23,24 @@ from pathlib import Path
 from typing import Any
 
 from common.serve import resolve
-from loadtests import harness
+from loadtests import evidence, harness
 from loadtests.harness import PROFILES
+from loadtests.procs import answers, running_stage
 
-OUT = harness.REPO / "out" / "loadtest"  # git-ignored
+OUT = evidence.OUT / "loadtest"  # git-ignored
 
 
 @contextlib.contextmanager
 def server_for(stage: str, host: str, port: int, out: Path) -> Iterator[int | None]:
     """The pid of a stage started here, or None when something already answers on host:port."""
     url = f"http://{host}:{port}"
-    if harness.is_up(url):
+    if answers(f"{url}/ready"):
         print(f"using the server already answering on {url}", flush=True)
         yield None
         return
-    print(f"starting {stage} on {url} (log: {out / f'{stage}-server.log'})", flush=True)
-    with harness.running_stage(stage, host, port, out / f"{stage}-server.log") as process:
-        yield process.pid
+    print(f"starting {stage} on {url} (log: {out / f'{stage}-{port}.log'})", flush=True)
+    with running_stage(stage, out, port=port, host=host) as server:
+        yield server.pid
 
 
 def web_ui(url: str, web_host: str, web_port: int, extra: Sequence[str]) -> int:
@@ -75,15 +75,10 @@ def headless(
     prefix = out / f"{stage}-{profile.name}-{stamp}"
     harness.warm_up(url, min(5.0, seconds / 4))
     point = harness.run_point(stage, url, profile, seconds, prefix, seed=1, server_pid=server_pid)
-    summary = {
-        "date": stamp,
-        "url": url,
-        "machine": harness.machine(),
-        "versions": harness.versions(),
-        "git_commit": harness.git_commit(),
-        **point.as_dict(),
-    }
-    Path(f"{prefix}_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    run = evidence.Run("loadtests.run", sys.argv[1:])
+    run.commit, run.changed = evidence.git_state()
+    summary = {"stamp": run.stamp(), "url": url, **point.as_dict()}
+    evidence.write_json(Path(f"{prefix}_summary.json"), summary)
     # Locust's own *_stats.csv is a snapshot taken up to a second before the end; this row is final.
     row = {k: v for k, v in point.as_dict().items() if not isinstance(v, dict)}
     row.update({f"failures_{k}": v for k, v in point.failures.items()})

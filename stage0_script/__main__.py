@@ -5,8 +5,9 @@
     echo "some text" | python -m stage0_script --summary   # stdin
     python -m stage0_script --bench                        # fp32 vs INT8: size, load, latency, items/s
 
-``--bench`` writes docs/results/stage0.json and prints a table: the ceiling every later
-stage is measured against.
+``--bench`` prints a table (and writes its figures as JSON with ``--out``): the ceiling every
+later stage is measured against. ``make bench-stage0`` (benchmarks/stage0.py) records the same
+measurement, stamped, for the docs.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from typing import Any
 import numpy as np
 
 from common.engine import Engine
-from common.settings import REPO_ROOT, get_settings
-from loadtests.machine import machine_info
+from common.settings import get_settings
 from stage0_script import corpus
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -114,18 +114,21 @@ def bench_variant(variant: str, texts: list[str], seconds: float) -> dict[str, A
     }
 
 
-def bench(args: argparse.Namespace) -> int:
+def measure(seconds: float) -> dict[str, Any]:
+    """Every variant on the same 256 unique sentences: the figures ``--bench`` prints."""
     texts = corpus.texts(256, seed=11, kind="sentence")  # 12-20 word sentences, unique
     manifest = Engine(get_settings().model_dir, variant="fp32").manifest
-    rows = [bench_variant(v, texts, args.seconds) for v in VARIANTS]
-    result = {
-        "command": "python -m stage0_script --bench"
-        + (f" --seconds {args.seconds}" if args.seconds != 2 else ""),
-        "machine": machine_info(),
+    return {
         "texts": {"kind": "sentence", "count": len(texts), "seed": 11},
+        "seconds_per_measurement": seconds,
         "int8_default": manifest.get("int8_default"),
-        "variants": rows,
+        "variants": [bench_variant(v, texts, seconds) for v in VARIANTS],
     }
+
+
+def bench(args: argparse.Namespace) -> int:
+    result = measure(args.seconds)
+    rows = result["variants"]
     header = f"{'variant':13s} {'MB':>6s} {'load s':>7s} {'p50 ms':>7s} " + " ".join(
         f"{'bs' + str(b):>7s}" for b in BATCH_SIZES
     )
@@ -139,10 +142,11 @@ def bench(args: argparse.Namespace) -> int:
     print("items/s by batch size; quality from the build manifest:")
     for r in rows:
         print(f"  {r['variant']:13s} {r['quality']}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
     return 0
 
 
@@ -160,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary", action="store_true", help="print a short summary, not the vectors")
     parser.add_argument("--raw", action="store_true", help="do not L2-normalize")
     parser.add_argument("--variant", default="int8", choices=["int8", *VARIANTS])
-    parser.add_argument("--bench", action="store_true", help="benchmark fp32 and INT8, write results JSON")
+    parser.add_argument("--bench", action="store_true", help="benchmark fp32 and INT8, print a table")
     parser.add_argument("--seconds", type=float, default=2.0, help="--bench: seconds per measurement")
-    parser.add_argument("--out", default=str(REPO_ROOT / "docs" / "results" / "stage0.json"))
+    parser.add_argument("--out", help="--bench: also write the figures to this JSON file")
     args = parser.parse_args(argv)
     return bench(args) if args.bench else embed(args)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -15,18 +14,14 @@ import pytest
 from common.engine import Engine
 from common.serve import available_stages
 from common.settings import Settings
-from loadtests.harness import running_stage
+from loadtests.procs import free_port, running_stage
+
+__all__ = ["REPO", "SERVER_STAGES", "Server", "free_port", "run_server"]
 
 REPO = Path(__file__).resolve().parent.parent
 # STAGES=stage2_threadpool,stage3_batching narrows the per-stage suites (a targeted run, or a
 # stage that is half-written in your checkout); unset, every stage that exists is tested.
 SERVER_STAGES = os.environ["STAGES"].split(",") if os.environ.get("STAGES") else available_stages()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
@@ -60,10 +55,9 @@ def run_server(
     stage: str, tmp_path: Path, env: dict[str, str] | None = None, ready_timeout: float = 120.0
 ) -> Iterator[Server]:
     """Start a stage with the command `make stageN` runs, wait for /ready, stop it after."""
-    port = free_port()
-    log_path = tmp_path / f"{stage}-{port}.log"
-    with running_stage(stage, "127.0.0.1", port, log_path, env, ready_timeout=ready_timeout) as process:
-        yield Server(f"http://127.0.0.1:{port}", process, log_path)
+    with running_stage(stage, tmp_path, env, ready_timeout=ready_timeout) as server:
+        assert server.process is not None
+        yield Server(server.url, server.process, server.log_path)
 
 
 @pytest.fixture

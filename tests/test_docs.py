@@ -1,8 +1,11 @@
-"""The docs cannot rot: the site builds strictly, every snippet marker exists, every results file too."""
+"""The docs cannot rot: the site builds strictly, every snippet marker exists, every results file too.
+
+That every results page is rendered from its JSON, and that the evidence is current, is checked in
+tests/test_evidence.py.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -11,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import docs_tables, settings_doc
-from stage0_script import quant_study
+from benchmarks import settings_doc
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -103,43 +105,6 @@ def test_the_settings_check_fails_on_a_stale_table(tmp_path: Path) -> None:
     stale = tmp_path / "settings.md"
     stale.write_text(settings_doc.render().replace("MAX_QUEUE", "MAX_QUEUE_OLD"))
     assert settings_doc.main(["--check", "--out", str(stale)]) == 1
-
-
-def test_tables_rendered_from_json_results_are_current() -> None:
-    assert docs_tables.main(["--check"]) == 0, "run `python -m benchmarks.docs_tables` and commit the result"
-
-
-def test_the_quantization_tables_match_their_json() -> None:
-    report = json.loads((DOCS / "results" / "quantization.json").read_text())
-    table = (DOCS / "results" / "quantization.md").read_text()
-    assert quant_study.markdown(report) == table, "run `python -m stage0_script.quant_study --render`"
-
-
-def test_the_tables_check_fails_on_a_stale_table(tmp_path: Path) -> None:
-    (tmp_path / "stage0.json").write_text(json.dumps(_STAGE0_SAMPLE))
-    assert docs_tables.main(["--results", str(tmp_path)]) == 0
-    assert docs_tables.main(["--check", "--results", str(tmp_path)]) == 0
-    table = tmp_path / "stage0.md"
-    table.write_text(table.read_text().replace("| fp32 |", "| fp16 |"))
-    assert docs_tables.main(["--check", "--results", str(tmp_path)]) == 1
-
-
-_STAGE0_SAMPLE = {
-    "command": "python -m stage0_script --bench",
-    "machine": {"cpu": "cpu", "cores": 2, "memory_gib": 1.0, "date": "d", "versions": {"onnxruntime": "1"}},
-    "texts": {"kind": "sentence", "count": 2},
-    "int8_default": "int8-dynamic",
-    "variants": [
-        {
-            "variant": "fp32",
-            "size_mb": 90.4,
-            "load_s": 0.3,
-            "latency_ms_batch1": {"p50": 5.0, "p90": 6.0},
-            "items_per_s": {"1": 100.0, "32": 300.0},
-            "quality": {"stsb_spearman_x100": 86.7},
-        }
-    ],
-}
 
 
 @pytest.mark.timeout(180)

@@ -240,7 +240,7 @@ def test_make_loadtest_headless_writes_csv_and_json(tmp_path: Path) -> None:
     summary = json.loads(summary_path.read_text())
     assert summary["stage"] == stage and summary["requests"] > 0 and summary["rps"] > 0
     assert summary["failures"] == {"503": 0, "other": 0}
-    assert summary["machine"]["logical_cores"] > 0
+    assert summary["stamp"]["machine"]["logical_cores"] > 0 and summary["stamp"]["commit"]
     csv_lines = summary_path.with_name(summary_path.name.replace(".json", ".csv")).read_text().splitlines()
     assert csv_lines[0].startswith("stage,profile,") and len(csv_lines) == 2
     assert list(tmp_path.glob(f"{stage}-unique-8-*_stats_history.csv"))
@@ -260,9 +260,11 @@ def test_quick_compare_writes_complete_results(tmp_path: Path) -> None:
 
     result = json.loads((tmp_path / "compare.json").read_text())
     assert result["stages"] == stages
-    assert result["quick"] is True
-    assert {"cpu_model", "logical_cores", "memory_gib"} <= set(result["machine"])
-    assert result["versions"]["locust"] != "missing" and result["date"]
+    stamp = result["stamp"]
+    assert stamp["quick"] is True and stamp["date"] and stamp["wall_s"] > 0
+    assert {"cpu_model", "logical_cores", "memory_gib"} <= set(stamp["machine"])
+    assert stamp["machine"]["versions"]["locust"] != "missing"
+    assert stamp["settings"]["changed"] == {"MAX_QUEUE": 256}  # COMPARE_ENV, CACHE_URL left out
     assert all(result["engine_ceiling"][kind]["texts_per_s"] > 0 for kind in ("sentence", "mixed"))
     assert [p["name"] for p in result["profiles"]] == list(TEST_PROFILES)
     points = {(p["stage"], p["profile"]): p for p in result["points"]}
@@ -280,8 +282,8 @@ def test_quick_compare_writes_complete_results(tmp_path: Path) -> None:
     assert all(p["failures"]["503"] == 0 for p in points.values() if p["stage"] in early)
 
     md = (tmp_path / "compare.md").read_text()
-    for name in TEST_PROFILES:
-        assert f"### {name}" in md
+    for name in ("machine", "ceiling", *TEST_PROFILES):
+        assert f"[start:{name}]" in md and f"[end:{name}]" in md, name
     table_rows = [line for line in md.splitlines() if line.startswith("| ") and "req/s" not in line]
     assert len(table_rows) >= len(stages) * len(TEST_PROFILES)
     for png in ("compare_throughput.png", "compare_p99.png"):

@@ -12,13 +12,16 @@ import json
 from pathlib import Path
 
 from benchmarks.reliability import soak, soak_report
+from loadtests import evidence
 
 
 def test_soak_60_seconds(tmp_path: Path) -> None:
     result = soak.run(60, tmp_path, interval_s=2.0, load_factor=0.5)
     out, png = tmp_path / "soak.json", tmp_path / "soak.png"
-    soak_report.write(result, out, "tests/test_soak.py")
-    soak_report.plot(result, png)
+    run = evidence.Run("tests.test_soak", [])
+    saved = soak.payload(result, run.stamp())
+    soak_report.write(saved, out)
+    soak_report.plot(saved, png)
     verdict = result.verdict
     # On failure, say what the run looked like: a shared machine can change under a soak.
     context = (
@@ -36,14 +39,17 @@ def test_soak_60_seconds(tmp_path: Path) -> None:
     # Enough intervals to judge: warm-up plus three thirds.
     assert len(result.intervals) >= 25
     saved = json.loads(out.read_text())
-    assert saved["verdict"]["passed"] and saved["machine"]["cores"]
-    assert png.stat().st_size > 10_000
+    assert saved["verdict"]["passed"] and saved["stamp"]["machine"]["logical_cores"]
+    assert soak_report.markdown(saved) == out.with_suffix(".md").read_text()
+    assert png.stat().st_size > 10_000 and evidence.read_png_provenance(png) == evidence.provenance(
+        saved["stamp"]
+    )
 
 
 def test_the_soak_table_in_the_docs_matches_its_json() -> None:
     results = Path(__file__).resolve().parent.parent / "docs" / "results"
     payload = json.loads((results / "soak.json").read_text())
-    assert (results / "soak.md").read_text() == soak_report.markdown(payload), f"rerun {payload['command']}"
+    assert (results / "soak.md").read_text() == soak_report.markdown(payload), "rerun `make soak`"
     # The file is whatever `make soak` last recorded, pass or fail (the chapter discusses it);
     # the 60-second test above is the one that must pass.
     assert payload["verdict"]["passed"] == (

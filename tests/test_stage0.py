@@ -52,12 +52,13 @@ def test_no_texts_is_a_clear_error() -> None:
     assert proc.returncode == 2 and "no texts" in proc.stderr
 
 
-def test_bench_writes_every_figure(tmp_path: Path) -> None:
+def test_bench_prints_and_writes_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "stage0.json"
     proc = _run("--bench", "--seconds", "0.05", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
+    assert "int8-dynamic" in proc.stdout and "items/s by batch size" in proc.stdout
     result = json.loads(out.read_text())
-    assert result["machine"]["cores"] >= 1 and result["machine"]["cpu"]
+    assert "stamp" not in result and "machine" not in result  # stage 0 measures; benchmarks/ records
     names = [v["variant"] for v in result["variants"]]
     assert names == ["fp32", "int8-dynamic", "int8-static"]
     for v in result["variants"]:
@@ -67,3 +68,20 @@ def test_bench_writes_every_figure(tmp_path: Path) -> None:
     sizes = {v["variant"]: v["size_mb"] for v in result["variants"]}
     assert sizes["int8-dynamic"] < sizes["fp32"] / 3  # INT8 weights: about a quarter of fp32
     assert "stsb_spearman_x100" in result["variants"][0]["quality"]
+
+
+def test_the_recorded_bench_is_stamped_and_rendered(tmp_path: Path) -> None:
+    """`make bench-stage0`: the same measurement, stamped, with the tables the chapters include."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.stage0", "--quick", "--seconds", "0.05", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "stage0.json").read_text())
+    stamp = result["stamp"]
+    assert stamp["quick"] is True and stamp["machine"]["logical_cores"] >= 1 and stamp["commit"]
+    assert stamp["command"] == f"python -m benchmarks.stage0 --quick --seconds 0.05 --out {tmp_path}"
+    page = (tmp_path / "stage0.md").read_text()
+    for section in ("machine", "speed", "quality"):
+        assert f"[start:{section}]" in page and f"[end:{section}]" in page
+    assert "| int8-dynamic |" in page.replace("  ", " ").replace("  ", " ")

@@ -27,7 +27,8 @@ def test_the_tables_are_rendered_from_the_committed_json() -> None:
 
 def test_the_results_record_the_machine_and_every_sweep() -> None:
     result = _result()
-    assert {"cpu", "cores", "memory_gib", "date", "load_average_before"} <= set(result["machine"])
+    assert {"cpu_model", "logical_cores", "memory_gib"} <= set(result["stamp"]["machine"])
+    assert {"before", "after"} <= set(result["load_average"])
     assert [p["max_batch_size"] for p in result["batch_size"]] == [1, 4, 8, 16, 32, 64]
     assert {(p["stage"], p["clients"]) for p in result["targets"]} == {
         (s, c) for s in ("stage2_threadpool", "stage3_batching") for c in (1, 32)

@@ -24,25 +24,18 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
+import orjson
 import redis as redis_client
 
-from loadtests.procs import StageProcess, free_port, redis_server, stage_process
+from loadtests.httpload import Answer, closed_loop, post_requests
+from loadtests.procs import StageProcess, free_port, redis_server, running_stage
 from stage0_script import corpus
-
-
-@dataclass(slots=True)
-class Outcome:
-    started: float  # time.monotonic()
-    ended: float
-    status: int | None  # None: no HTTP answer
-    error: str | None  # the transport error, when there was no answer
-    cache: str | None  # x-cache header
 
 
 async def drive(
@@ -50,33 +43,20 @@ async def drive(
     workers: int,
     stop: asyncio.Event,
     body: Callable[[random.Random], dict[str, Any]],
-    outcomes: list[Outcome],
+    outcomes: list[Answer],
     timeout_s: float = 60.0,
 ) -> None:
-    """Closed-loop load: ``workers`` clients, each sending its next request when the last is answered."""
-
-    async def worker(seed: int) -> None:
-        rng = random.Random(seed)
-        # Idle connections go before uvicorn's 5 s keep-alive timeout can close one under a request.
-        limits = httpx.Limits(keepalive_expiry=2.0)
-        async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
-            while not stop.is_set():
-                started = time.monotonic()
-                try:
-                    r = await client.post("/v1/embed", json=body(rng))
-                    outcome = Outcome(
-                        started, time.monotonic(), r.status_code, None, r.headers.get("x-cache")
-                    )
-                except httpx.TransportError as exc:
-                    outcome = Outcome(started, time.monotonic(), None, type(exc).__name__, None)
-                    await asyncio.sleep(0.05)  # a refused connection answers at once: do not spin
-                outcomes.append(outcome)
-
-    await asyncio.gather(*(worker(i) for i in range(workers)))
+    """Closed-loop load until ``stop``: ``workers`` clients, each sending its next request when the
+    last is answered. A request with no answer (refused, reset) is an Answer with status 0."""
+    rng = random.Random(0)
+    requests = post_requests("/v1/embed", [orjson.dumps(body(rng)) for _ in range(2000)])
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    await closed_loop(host, port, requests, workers, stop=stop, timeout=timeout_s, record=outcomes.append)
 
 
-def _statuses(outcomes: list[Outcome]) -> dict[str, int]:
-    return dict(Counter(str(o.status) if o.status is not None else o.error or "?" for o in outcomes))
+def _statuses(outcomes: list[Answer]) -> dict[str, int]:
+    return dict(Counter(str(o.status) if o.status else o.error or "?" for o in outcomes))
 
 
 # --- Redis killed and restarted -----------------------------------------------------------
@@ -88,10 +68,10 @@ def redis_restart(stage: str, log_dir: Path, phase_s: float = 3.0, workers: int 
 
     with redis_server() as redis:
         env = {"CACHE_URL": redis.url, "CACHE_MAX_ITEMS": "0"}
-        with stage_process(stage, log_dir, env) as server:
+        with running_stage(stage, log_dir, env) as server:
 
-            async def run() -> tuple[list[Outcome], float, float]:
-                outcomes: list[Outcome] = []
+            async def run() -> tuple[list[Answer], float, float]:
+                outcomes: list[Answer] = []
                 stop = asyncio.Event()
                 load = asyncio.create_task(drive(server.url, workers, stop, body, outcomes))
                 await asyncio.sleep(phase_s)
@@ -116,7 +96,7 @@ def redis_restart(stage: str, log_dir: Path, phase_s: float = 3.0, workers: int 
         "failed": len(failed),
         "statuses": _statuses(outcomes),
         "redis_errors": sum(stats["errors"].values()),
-        "redis_hits_after_restart": sum(o.cache in ("hit", "partial") for o in back),
+        "redis_hits_after_restart": sum(o.headers.get("x-cache") in ("hit", "partial") for o in back),
         "requests_after_restart": len(back),
     }
 
@@ -138,7 +118,7 @@ def sigterm_drain(
         redis = stack.enter_context(redis_server()) if redis_dies else None
         if redis is not None:
             env["CACHE_URL"] = redis.url
-        server = stack.enter_context(stage_process(stage, log_dir, env))
+        server = stack.enter_context(running_stage(stage, log_dir, env))
 
         async def run() -> dict[str, Any]:
             headers = {"x-request-timeout": "300"}
@@ -238,8 +218,8 @@ def sigkill_restart(stage: str, log_dir: Path, with_redis: bool = True, n_texts:
             first.raise_for_status()
             stored = _wait_for_keys(redis.url, n_texts) if with_redis else 0
 
-            async def kill_under_load() -> list[Outcome]:
-                outcomes: list[Outcome] = []
+            async def kill_under_load() -> list[Answer]:
+                outcomes: list[Answer] = []
                 stop = asyncio.Event()
                 load = asyncio.create_task(drive(server.url, 4, stop, body, outcomes, timeout_s=10))
                 await asyncio.sleep(1.5)

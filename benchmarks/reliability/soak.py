@@ -1,12 +1,14 @@
 """The soak: stage 5 with its Redis tier, at about 70% of its measured capacity, for a long time.
 
-    make soak                                          # 10 minutes: docs/results/soak.json, docs/img/soak.png
-    python -m benchmarks.reliability.soak --duration 60 --out /tmp/soak.json --plot /tmp/soak.png
+    make soak                                     # 10 minutes of soak (about 11 in all)
+    python -m benchmarks.reliability.soak --quick # 60 s of soak at 50% (about 90 s in all)
+    python -m benchmarks.reliability.soak --record   # docs/results/soak.*, docs/img/soak.png
 
 Steps: start a private redis-server and stage 5 with CACHE_URL pointing at it; measure
 capacity (closed loop, 16 clients, the same traffic; the lowest of three 4-second windows,
 because on a shared machine a neighbour's job can halve it for a while); then send requests *open loop*
-(a fixed arrival rate, whatever the answers do) at 70% of it for ``--duration`` seconds,
+(``loadtests.httpload.OpenLoop``: a fixed arrival rate, whatever the answers do) at 70% of it for
+``--duration`` seconds,
 sampling latency percentiles, errors, the server's RSS and the cache hit share every
 interval. The traffic is half texts from a hot set (cache hits, memory or Redis tier)
 and half texts never seen before (model calls and Redis writes).
@@ -24,15 +26,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
 import statistics
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -43,14 +44,12 @@ import orjson
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.reliability.soak_report import plot, write
-from loadtests.httpload import Connections
-from loadtests.procs import redis_server, stage_process
+from benchmarks.reliability import soak_report
+from loadtests import evidence
+from loadtests.httpload import Answer, OpenLoop, closed_loop, post_requests
+from loadtests.procs import redis_server, running_stage
 from stage0_script import corpus
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_OUT = REPO / "docs/results/soak.json"
-DEFAULT_PLOT = REPO / "docs/img/soak.png"
 STAGE = "stage5_metrics"
 LOAD_FACTOR = 0.7
 HOT_SET = 400
@@ -124,6 +123,11 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 2) if values else None
 
 
+def _host_port(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 80
+
+
 async def largest_batches(url: str, requests: int = 4, texts: int = 16) -> None:
     """Make the server form its largest batches once (full rows of the longest texts).
 
@@ -134,12 +138,13 @@ async def largest_batches(url: str, requests: int = 4, texts: int = 16) -> None:
     """
     rng = random.Random(3)
     bodies = [
-        {"inputs": [corpus.passage(rng, sentences=(16, 24)) for _ in range(texts)], "cache": False}
+        orjson.dumps(
+            {"inputs": [corpus.passage(rng, sentences=(16, 24)) for _ in range(texts)], "cache": False}
+        )
         for _ in range(requests)
     ]
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        for r in await asyncio.gather(*(client.post("/v1/embed", json=b) for b in bodies)):
-            r.raise_for_status()
+    answers = await closed_loop(*_host_port(url), post_requests("/v1/embed", bodies), requests, timeout=120)
+    assert all(a.status == 200 for a in answers), [(a.status, a.error) for a in answers]
 
 
 async def measure_capacity(
@@ -148,23 +153,19 @@ async def measure_capacity(
     """Requests per second of this traffic, closed loop, in ``windows`` consecutive windows
     (after one second of warm-up)."""
     traffic = _Traffic(seed)
+    requests = post_requests("/v1/embed", [orjson.dumps(traffic.body()) for _ in range(20_000)])
     width = seconds / windows
     done = [0] * windows
-    started = time.monotonic()
-    counting_from = started + 1.0
-    end = counting_from + seconds
+    counting_from = time.monotonic() + 1.0
 
-    async def worker(client: httpx.AsyncClient) -> None:
-        while time.monotonic() < end:
-            r = await client.post("/v1/embed", json=traffic.body())
-            r.raise_for_status()
-            window = int((time.monotonic() - counting_from) // width)
-            if 0 <= window < windows:
-                done[window] += 1
+    def count(answer: Answer) -> None:
+        if answer.status != 200:
+            raise RuntimeError(f"capacity run: status {answer.status} {answer.error or ''}")
+        window = int((answer.started + answer.ms / 1e3 - counting_from) // width)
+        if 0 <= window < windows:
+            done[window] += 1
 
-    limits = httpx.Limits(max_connections=workers)
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
-        await asyncio.gather(*(worker(client) for _ in range(workers)))
+    await closed_loop(*_host_port(url), requests, workers, seconds=seconds + 1.0, record=count)
     return [n / width for n in done]
 
 
@@ -207,96 +208,78 @@ async def _server_view(client: httpx.AsyncClient) -> dict[str, float | None]:
     return {"queue_depth": depth, "redis_errors": errors}
 
 
+@dataclass
+class _Tally:
+    """What the answers of the current interval said."""
+
+    latencies: list[float] = field(default_factory=list)
+    errors: int = 0
+    hits: int = 0
+    misses: int = 0
+
+
 async def soak(url: str, pid: int, result: SoakResult, seed: int = 7, redis_pid: int | None = None) -> None:
     """Open loop at ``result.target_rps`` for ``result.duration_s``, one ``Interval`` per interval."""
     traffic = _Traffic(seed)
     machine = _Machine(pid, redis_pid)
-    server = machine.server
-    latencies: list[float] = []
-    errors = 0
-    hits = misses = 0
-    in_flight = 0
-    tasks: set[asyncio.Task[None]] = set()
+    tally = _Tally()
 
-    async def one(conns: Connections, body: dict[str, Any]) -> None:
-        nonlocal errors, hits, misses, in_flight
-        started = time.perf_counter()
-        headers: dict[str, str] = {}
-        try:
-            status, headers = await conns.post("/v1/embed", orjson.dumps(body))
-            kind = None if status == 200 else str(status)
-        except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as exc:
-            kind = type(exc).__name__
-        finally:
-            in_flight -= 1
-        if kind is None:
-            latencies.append((time.perf_counter() - started) * 1e3)
-            hits += int(headers.get("x-cache-hits", 0))
-            misses += int(headers.get("x-cache-misses", 0))
+    def record(answer: Answer) -> None:
+        if answer.status == 200:
+            tally.latencies.append(answer.ms)
+            tally.hits += int(answer.headers.get("x-cache-hits", 0))
+            tally.misses += int(answer.headers.get("x-cache-misses", 0))
             result.answered += 1
-        else:
-            errors += 1
-            result.error_kinds[kind] = result.error_kinds.get(kind, 0) + 1
+            return
+        tally.errors += 1
+        kind = answer.error or str(answer.status)
+        result.error_kinds[kind] = result.error_kinds.get(kind, 0) + 1
 
-    # The load goes through raw keep-alive connections (``Connections``), one per request in
-    # flight: an open-loop client must stay cheap when the server falls behind, or it becomes
-    # the bottleneck. A 10-minute run with httpx here showed exactly that: after a hiccup, 250
+    # The load goes through raw keep-alive connections (``OpenLoop``), one per request in flight:
+    # an open-loop client must stay cheap when the server falls behind, or it becomes the
+    # bottleneck. A 10-minute run with httpx here showed exactly that: after a hiccup, 250
     # requests in flight cost the client 90% of a core, the server's CPU fell to 60% with its
     # queue empty, and the run never recovered.
-    parts = urlsplit(url)
-    conns = Connections(parts.hostname or "127.0.0.1", parts.port or 80)
+    loop = OpenLoop(*_host_port(url), max_in_flight=MAX_IN_FLIGHT)
     ramp_s = result.warmup_s / 2
+
+    def rate(t: float) -> float:
+        # Ramp from 10% to the full rate over the first half of the warm-up: a cold cache
+        # and a client opening its connections at full rate would start the run behind.
+        return result.target_rps * (min(1.0, 0.1 + 0.9 * t / ramp_s) if ramp_s > 0 else 1.0)
+
+    async def sample(metrics_client: httpx.AsyncClient) -> None:
+        sent_before, k = 0, 1
+        while k * result.interval_s <= result.duration_s:
+            await asyncio.sleep(max(0.0, loop.began + k * result.interval_s - time.monotonic()))
+            current, errors, hits, misses = tally.latencies, tally.errors, tally.hits, tally.misses
+            tally.latencies, tally.errors, tally.hits, tally.misses = [], 0, 0, 0
+            result.errors += errors
+            result.intervals.append(
+                Interval(
+                    t=round(k * result.interval_s, 1),
+                    requests=len(current) + errors,
+                    sent=loop.sent - sent_before,
+                    errors=errors,
+                    p50_ms=_pct(current, 50),
+                    p95_ms=_pct(current, 95),
+                    p99_ms=_pct(current, 99),
+                    rss_mib=round(machine.server.memory_info().rss / 2**20, 1),
+                    cache_hit_share=round(hits / (hits + misses), 3) if hits + misses else None,
+                    in_flight=loop.in_flight,
+                    **machine.sample(),
+                    **await _server_view(metrics_client),
+                )
+            )
+            sent_before, k = loop.sent, k + 1
+
     # /metrics on a client of its own: never waiting behind the load for a connection.
     async with httpx.AsyncClient(base_url=url, timeout=2) as metrics_client:
-        began = time.monotonic()
-        next_sample = began + result.interval_s
-        due = began
-        sent_in_interval = 0
-        while True:
-            now = time.monotonic()
-            if now >= next_sample:
-                result.errors += errors
-                result.intervals.append(
-                    Interval(
-                        t=round(next_sample - began, 1),
-                        requests=len(latencies) + errors,
-                        sent=sent_in_interval,
-                        errors=errors,
-                        p50_ms=_pct(latencies, 50),
-                        p95_ms=_pct(latencies, 95),
-                        p99_ms=_pct(latencies, 99),
-                        rss_mib=round(server.memory_info().rss / 2**20, 1),
-                        cache_hit_share=round(hits / (hits + misses), 3) if hits + misses else None,
-                        in_flight=in_flight,
-                        **machine.sample(),
-                        **await _server_view(metrics_client),
-                    )
-                )
-                latencies, errors, hits, misses, sent_in_interval = [], 0, 0, 0, 0
-                next_sample += result.interval_s
-            if now - began >= result.duration_s:
-                break
-            if due > now:
-                await asyncio.sleep(min(due, next_sample) - now)
-                continue
-            # Ramp from 10% to the full rate over the first half of the warm-up: a cold cache
-            # and a client opening its connections at full rate would start the run behind.
-            ramp = min(1.0, 0.1 + 0.9 * (due - began) / ramp_s) if ramp_s > 0 else 1.0
-            due += 1 / (result.target_rps * ramp)
-            result.sent += 1
-            sent_in_interval += 1
-            if in_flight >= MAX_IN_FLIGHT:
-                errors += 1
-                result.error_kinds["client_backlog"] = result.error_kinds.get("client_backlog", 0) + 1
-                continue
-            in_flight += 1
-            task = asyncio.create_task(one(conns, traffic.body()))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.wait(tasks, timeout=60)
-        conns.close()
-        result.errors += errors  # answers that arrived after the last interval
+        sampler = asyncio.create_task(sample(metrics_client))
+        await loop.run("/v1/embed", lambda: orjson.dumps(traffic.body()), rate, result.duration_s, record)
+        await sampler
+    result.sent = loop.sent
+    result.errors += tally.errors  # answers that arrived after the last interval
 
 
 def judge(result: SoakResult) -> dict[str, Any]:
@@ -340,7 +323,7 @@ def run(
     interval_s = interval_s or max(duration_s / 60, 2.0)
     with redis_server() as redis:
         env = {"CACHE_URL": redis.url, "CACHE_MAX_ITEMS": "200", "LOG_LEVEL": "WARNING"}
-        with stage_process(STAGE, log_dir, env) as server:
+        with running_stage(STAGE, log_dir, env) as server:
             # The machine is shared: what the server manages in its worst window is what it can
             # be asked to hold for ten minutes, so capacity is the lowest of three windows.
             asyncio.run(largest_batches(server.url))
@@ -362,31 +345,38 @@ def run(
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def payload(result: SoakResult, stamp: dict[str, Any]) -> dict[str, Any]:
+    """What the JSON holds: the stamp, the stage, and every figure of the run."""
+    return {"stamp": stamp, "stage": STAGE, **asdict(result)}
+
+
+def headline(payload: dict[str, Any]) -> dict[str, float]:
+    return {"capacity, lowest window, req/s": payload["capacity_rps"],
+            "p99 ms, last third": payload["verdict"]["p99_last_third_ms"]}  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--duration", type=float, default=600, help="seconds of soak after capacity")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
-    parser.add_argument("--load", type=float, default=LOAD_FACTOR, help="share of capacity to send")
+    parser.add_argument("--duration", type=float, help="seconds of soak after capacity (600, quick 60)")
+    parser.add_argument("--load", type=float, help=f"share of capacity to send ({LOAD_FACTOR}, quick 0.5)")
+    parser.add_argument("--out", type=Path, help="folder for soak.json and soak.md")
+    parser.add_argument("--img", type=Path, help="folder for soak.png")
+    evidence.add_arguments(parser)
     args = parser.parse_args(argv)
     _stop_children_on_sigterm()
-    with tempfile.TemporaryDirectory() as logs:
-        result = run(args.duration, Path(logs), load_factor=args.load)
-    # The command that reproduces this file, recorded in it.
-    command = f"python -m benchmarks.reliability.soak --duration {args.duration:g}"
-    if args.load != LOAD_FACTOR:
-        command += f" --load {args.load:g}"
-    for flag, value, default in (("--out", args.out, DEFAULT_OUT), ("--plot", args.plot, DEFAULT_PLOT)):
-        if value.resolve() != default:
-            command += f" {flag} {value}"
-    if command == "python -m benchmarks.reliability.soak --duration 600":
-        command = "make soak"
-    write(result, args.out, command, STAGE)
-    plot(result, args.plot)
-    print(json.dumps(result.verdict, indent=1))
-    print(f"wrote {args.out} and {args.plot}")
+    run_ = evidence.start("benchmarks.reliability.soak", args, argv)
+    # QUICK: one minute at 50%, as tests/test_soak.py runs it (70% overloads a shared 2-core machine).
+    duration = args.duration or (60.0 if args.quick else 600.0)
+    load = args.load or (0.5 if args.quick else LOAD_FACTOR)
+    result = run(duration, run_.logs("soak"), interval_s=2.0 if args.quick else None, load_factor=load)
+    saved = payload(result, run_.stamp({"CACHE_MAX_ITEMS": "200", "LOG_LEVEL": "WARNING"}))
+    out, img = args.out or run_.results_dir, args.img or run_.img_dir
+    written = soak_report.write(saved, out / "soak.json"), soak_report.plot(saved, img / "soak.png")
+    print(soak_report.markdown(saved))
+    print("wrote " + ", ".join(str(p) for p in written))
+    evidence.against_reference(run_, "soak.json", saved, headline)
     return 0 if result.passed else 1
 
 

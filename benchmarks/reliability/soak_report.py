@@ -1,37 +1,39 @@
-"""What a soak run leaves behind: its JSON, the Markdown table the docs include, and the plot.
+"""What a soak run leaves behind: its JSON, the Markdown tables the docs include, and the plot.
 
-Kept apart from ``soak.py`` (which runs the soak) so each file reads on its own.
+Kept apart from ``soak.py`` (which runs the soak) so each file reads on its own; this module works
+on the saved JSON alone (``soak.py`` imports it, never the other way round).
+
+    python -m benchmarks.reliability.soak_report docs/results/soak.json docs/img/soak.png   # redraw
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from loadtests.machine import machine_info
-
-if TYPE_CHECKING:
-    from benchmarks.reliability.soak import SoakResult
+from loadtests import evidence
+from loadtests.tables import page, table
 
 
-def plot(result: SoakResult, path: Path) -> None:
+def plot(payload: dict[str, Any], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t = [iv.t for iv in result.intervals]
+    intervals, interval_s = payload["intervals"], payload["interval_s"]
+    t = [iv["t"] for iv in intervals]
     fig, (lat, rss, rate, cpu) = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
     for key, style in (("p50_ms", "-"), ("p95_ms", "--"), ("p99_ms", ":")):
-        lat.plot(t, [getattr(iv, key) for iv in result.intervals], style, label=key.removesuffix("_ms"))
+        lat.plot(t, [iv[key] for iv in intervals], style, label=key.removesuffix("_ms"))
     lat.set_ylabel("latency (ms)")
     lat.legend(loc="upper right")
-    rss.plot(t, [iv.rss_mib for iv in result.intervals], color="tab:purple")
+    rss.plot(t, [iv["rss_mib"] for iv in intervals], color="tab:purple")
     rss.set_ylabel("server RSS (MiB)")
-    rate.plot(t, [iv.requests / result.interval_s for iv in result.intervals], label="answered / s")
-    rate.plot(t, [iv.errors for iv in result.intervals], color="tab:red", label="errors")
+    rate.plot(t, [iv["requests"] / interval_s for iv in intervals], label="answered / s")
+    rate.plot(t, [iv["errors"] for iv in intervals], color="tab:red", label="errors")
     rate.set_ylabel("requests")
     rate.legend(loc="upper right")
     # Who had the cores: a stall with "other processes" up is a neighbour's, not the server's.
@@ -42,108 +44,81 @@ def plot(result: SoakResult, path: Path) -> None:
         ("others_cpu_pct", "other processes"),
         ("steal_pct", "steal"),
     ):
-        cpu.plot(t, [getattr(iv, key) for iv in result.intervals], label=label)
+        cpu.plot(t, [iv.get(key, 0.0) for iv in intervals], label=label)
     cpu.set_ylabel("CPU (% of one core)")
     cpu.set_xlabel("seconds")
     cpu.legend(loc="upper right", fontsize="small", ncol=5)
     for ax in (lat, rss, rate, cpu):
-        ax.axvspan(0, result.warmup_s, color="0.9")
+        ax.axvspan(0, payload["warmup_s"], color="0.9")
         ax.grid(alpha=0.3)
-    verdict = "PASS" if result.passed else "FAIL"
+    verdict = "PASS" if payload["verdict"].get("passed") else "FAIL"
+    target, capacity = payload["target_rps"], payload["capacity_rps"]
     fig.suptitle(
-        f"stage 5 soak, Redis tier on: {result.target_rps:.0f} req/s "
-        f"({result.target_rps / result.capacity_rps:.0%} of {result.capacity_rps:.0f}), "
-        f"{result.duration_s / 60:.0f} min, {result.errors} errors: {verdict}"
+        f"stage 5 soak, Redis tier on: {target:.0f} req/s ({target / capacity:.0%} of {capacity:.0f}), "
+        f"{payload['duration_s'] / 60:.0f} min, {payload['errors']} errors: {verdict}"
     )
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    evidence.save_figure(fig, path, payload["stamp"], dpi=100)
     plt.close(fig)
+    return path
 
 
-def write(result: SoakResult, out: Path, command: str, stage: str = "stage5_metrics") -> None:
+def write(payload: dict[str, Any], out: Path) -> Path:
     """``out`` (JSON, every interval) and the same name with ``.md`` (the tables the docs include)."""
-    payload = {"command": command, "machine": machine_info(), "stage": stage, **asdict(result)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(payload))
+    evidence.write_json(out, payload, indent=1)
+    evidence.write_text(out.with_suffix(".md"), markdown(payload))
+    return out
 
 
 def markdown(payload: dict[str, Any]) -> str:
-    m, v, load = payload["machine"], payload["verdict"], payload["load_average"]
+    """soak.md: the verdict and who had the cores."""
+    v, load = payload["verdict"], payload["load_average"]
+    note = (
+        f"1-minute load average {load['before'][0]} before the soak, {load['after'][0]} after:"
+        " the machine is shared."
+    )
     windows = ", ".join(f"{c:g}" for c in payload.get("capacity_windows_rps", []))
     yes = {True: "yes", False: "**no**"}
-    return "\n".join(
-        [
-            f"<!-- generated by `{payload['command']}`; do not edit -->",
-            "<!-- --8<-- [start:machine] -->",
-            f"Measured by `{payload['command']}` on {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB "
-            f"memory, {m['date']} (1-minute load average {load['before'][0]} before the soak, "
-            f"{load['after'][0]} after: the machine is shared).",
-            "<!-- --8<-- [end:machine] -->",
-            "",
-            "<!-- --8<-- [start:verdict] -->",
-            "| duration | capacity (lowest window) | sent at | requests | errors "
-            "| p99 first third | p99 last third "
-            "| RSS after warm-up | RSS at the end | growth | passed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-            f"| {payload['duration_s']:g} s | {payload['capacity_rps']} req/s (windows: {windows}) "
-            f"| {payload['target_rps']} req/s | {payload['sent']} | {payload['errors']} "
-            f"| {v['p99_first_third_ms']} ms | {v['p99_last_third_ms']} ms "
-            f"| {v['rss_after_warmup_mib']} MiB | {v['rss_end_mib']} MiB | {v['rss_growth'] * 100:.1f}% "
-            f"| {yes[v['passed']]} |",
-            "<!-- --8<-- [end:verdict] -->",
-            "",
-            *_cores(payload),
-        ]
-    )
+    verdict = table(
+        ["duration", "capacity, lowest window (req/s)", "sent at", "requests", "errors",
+         "p99, first / last third", "RSS after warm-up → end", "passed"],
+        [(f"{payload['duration_s']:g} s", f"{payload['capacity_rps']} ({windows})",
+          f"{payload['target_rps']} req/s", payload["sent"], payload["errors"],
+          f"{v['p99_first_third_ms']} / {v['p99_last_third_ms']} ms",
+          f"{v['rss_after_warmup_mib']} → {v['rss_end_mib']} MiB ({v['rss_growth'] * 100:+.1f}%)",
+          yes[v["passed"]])],
+    )  # fmt: skip
+    return page(payload["stamp"], {"verdict": verdict, "cores": _cores(payload)}, note)
 
 
 def _cores(payload: dict[str, Any]) -> list[str]:
-    """Who had the cores after warm-up (percent of one core; the machine has ``cores`` of them),
-    and what the server itself saw: its queue and its Redis errors."""
+    """Who had the cores after warm-up (percent of one core), and what the server itself saw:
+    its queue and its Redis errors."""
     steady = [iv for iv in payload["intervals"] if iv["t"] > payload["warmup_s"]]
 
     def med(key: str) -> str:
-        values = sorted(iv.get(key, 0.0) for iv in steady)
+        values = sorted(iv.get(key) or 0.0 for iv in steady)
         return f"{values[len(values) // 2]:g}"
 
     def top(key: str) -> str:
         return f"{max((iv.get(key) or 0.0) for iv in steady):g}"
 
+    keys = ("server_cpu_pct", "client_cpu_pct", "redis_cpu_pct", "others_cpu_pct", "steal_pct")
     redis_errors = max((iv.get("redis_errors") or 0.0) for iv in payload["intervals"])
-    return [
-        "<!-- --8<-- [start:cores] -->",
-        "| after warm-up, per 10 s | server CPU | client CPU | Redis CPU | other processes | steal "
-        "| server queue (texts) | Redis errors (whole run) |",
-        "|---|---|---|---|---|---|---|---|",
-        f"| median | {med('server_cpu_pct')}% | {med('client_cpu_pct')}% | {med('redis_cpu_pct')}% "
-        f"| {med('others_cpu_pct')}% | {med('steal_pct')}% | {med('queue_depth')} | {redis_errors:g} |",
-        f"| highest | {top('server_cpu_pct')}% | {top('client_cpu_pct')}% | {top('redis_cpu_pct')}% "
-        f"| {top('others_cpu_pct')}% | {top('steal_pct')}% | {top('queue_depth')} | |",
-        "<!-- --8<-- [end:cores] -->",
-        "",
-    ]
+    return table(
+        [f"after warm-up, per {payload['interval_s']:g} s", "server CPU", "client CPU", "Redis CPU",
+         "other processes", "steal", "server queue (texts)", "Redis errors (whole run)"],
+        [("median", *(f"{med(k)}%" for k in keys), med("queue_depth"), f"{redis_errors:g}"),
+         ("highest", *(f"{top(k)}%" for k in keys), top("queue_depth"), "")],
+    )  # fmt: skip
 
 
 def redraw(out: Path, plot_path: Path) -> None:
     """Rewrite the Markdown and the plot from a soak's JSON, without running it again."""
-    from benchmarks.reliability.soak import Interval, SoakResult
-
-    payload = json.loads(out.read_text())
-    out.with_suffix(".md").write_text(markdown(payload))
-    fields = set(SoakResult.__dataclass_fields__) - {"intervals"}
-    result = SoakResult(**{k: v for k, v in payload.items() if k in fields})
-    known = set(Interval.__dataclass_fields__)
-    result.intervals = [
-        Interval(**{k: v for k, v in iv.items() if k in known}) for iv in payload["intervals"]
-    ]
-    plot(result, plot_path)
+    saved = json.loads(out.read_text())
+    evidence.write_text(out.with_suffix(".md"), markdown(saved))
+    plot(saved, plot_path)
 
 
-if (
-    __name__ == "__main__"
-):  # python -m benchmarks.reliability.soak_report docs/results/soak.json docs/img/soak.png
-    import sys
-
+if __name__ == "__main__":
     redraw(Path(sys.argv[1]), Path(sys.argv[2]))

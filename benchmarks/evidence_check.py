@@ -1,0 +1,222 @@
+"""Is the committed evidence current, and does every number in the prose come from it?
+
+    python -m benchmarks.evidence_check            # both checks on docs/; exit 1 on a problem
+    python -m benchmarks.evidence_check --stale    # only the results files
+    python -m benchmarks.evidence_check --prose    # only the numbers typed in the chapters
+
+``stale_evidence``: every results file ``make results`` writes is there, carries a stamp, was
+measured at a clean commit, in a full (not QUICK) run, with today's defaults (the fingerprint in
+its stamp matches ``common.settings.Settings``); its page and its pictures carry the same
+provenance. The age of a result alone is never a problem: results are rerun on purpose.
+
+``unsourced_numbers``: a measured-looking number typed in a chapter (a decimal, a number with a
+unit such as ``ms``, ``%``, ``x``, ``req/s`` or ``MB``, or one with thousands separators) must be
+one a results file holds, at the precision it is written with. Code, inline code, snippet lines
+and HTML comments are not prose; a line that quotes a figure from elsewhere says so with
+``<!-- quoted -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.results import FROM_CODE, PAGES
+from loadtests import evidence
+
+DOCS = evidence.REPO / "docs"
+# Pictures no results step takes (yet): checked for presence only, with who makes them.
+PICTURES_FROM_ELSEWHERE = {
+    "dashboard.png": "tests/test_stage5_dashboard.py (stage 5's page, no figures quoted)"
+}
+QUOTED = "<!-- quoted -->"
+
+
+# --- stale results -----------------------------------------------------------------------
+def stamp_problems(name: str, stamp: dict[str, Any] | None, fingerprint: str) -> list[str]:
+    """Why a results file with this stamp is not current evidence (empty: it is)."""
+    if not stamp:
+        return [f"{name}: no stamp (not written by a stamped run)"]
+    if stamp.get("legacy"):
+        return [f"{name}: measured before results were stamped ({str(stamp.get('date'))[:10]})"]
+    missing = [k for k in ("commit", "dirty", "date", "command", "machine", "settings") if k not in stamp]
+    if missing:
+        return [f"{name}: stamp without {', '.join(missing)}"]
+    problems = []
+    if stamp["dirty"]:
+        problems.append(f"{name}: measured with uncommitted changes (--allow-dirty)")
+    if stamp.get("quick"):
+        problems.append(f"{name}: a QUICK run (seconds per point), not evidence")
+    recorded = (stamp.get("settings") or {}).get("defaults_fingerprint")
+    if recorded != fingerprint:
+        problems.append(f"{name}: the defaults changed since it was measured ({recorded} -> {fingerprint})")
+    return problems
+
+
+def _same(name: str, carried: dict[str, Any] | None, stamp: dict[str, Any]) -> list[str]:
+    if carried is None:
+        return [f"{name}: no provenance"]
+    if carried != evidence.provenance(stamp):
+        return [f"{name}: provenance differs from its JSON's stamp (rendered from another run)"]
+    return []
+
+
+def stale_evidence(results: Path = evidence.RESULTS, img: Path = evidence.IMG) -> list[str]:
+    """Every reason the evidence in ``results`` and ``img`` is not current (empty: all current)."""
+    fingerprint = evidence.defaults_fingerprint()
+    problems: list[str] = []
+    known_files = {*FROM_CODE}
+    known_pictures = set(PICTURES_FROM_ELSEWHERE)
+    for page in PAGES:
+        known_files |= {page.json, page.markdown}
+        known_pictures |= set(page.images)
+        if not (results / page.json).is_file():
+            problems.append(f"{page.json}: missing (make results writes it)")
+            continue
+        stamp = json.loads((results / page.json).read_text()).get("stamp")
+        problems += stamp_problems(page.json, stamp, fingerprint)
+        if not stamp or stamp.get("legacy"):
+            continue
+        md = results / page.markdown
+        problems += _same(
+            page.markdown, evidence.read_provenance(md.read_text()) if md.is_file() else None, stamp
+        )
+        for picture in page.images:
+            path = img / picture
+            carried = evidence.read_png_provenance(path) if path.is_file() else None
+            problems += _same(picture, carried, stamp) if path.is_file() else [f"{picture}: missing"]
+    for path in sorted(results.glob("*")):
+        if path.is_file() and path.name not in known_files:
+            problems.append(f"{path.name}: no step of make results writes it (remove it, or add a step)")
+    for path in sorted(img.glob("*.png")):
+        if path.name not in known_pictures:
+            problems.append(f"{path.name}: no step of make results draws it (remove it, or add a step)")
+    for picture in PICTURES_FROM_ELSEWHERE:
+        if not (img / picture).is_file():
+            problems.append(f"{picture}: missing")
+    return problems
+
+
+# --- numbers in prose --------------------------------------------------------------------
+UNITS = (
+    r"%|×|x|ms|µs|us|s|sec|seconds?|min|minutes?|h|hours?|req/s|requests/s|texts/s|texts per second|rps"
+    r"|MB|MiB|GB|GiB|kB|KB|KiB|bytes|cores?"
+)
+# A number not glued to a word (p99, int8, fp32, L6) or to a version (3.11.7, v1.2), then maybe a unit.
+NUMBER = re.compile(
+    r"(?<![\w.\-/])(?P<value>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)(?!\.\d)"
+    rf"(?P<unit>\s?(?:{UNITS})(?![\w/]))?(?(unit)|(?!\w))"
+)
+NOT_PROSE = re.compile(r"`[^`]*`|<!--.*?-->|\]\([^)]*\)|https?://\S+|<[^>]+>")
+VERSION_WORDS = re.compile(r"(?:Python|version|HTTP/|v|>=|==|~=)\s*$", re.IGNORECASE)
+SCALES = (1.0, 100.0, 0.01, 1e3, 1e-3, 1 / 60, 1 / 3600, 1e-6, 2**-20, 2**-30)
+
+
+def prose_numbers(text: str) -> Iterator[tuple[int, str, float, int]]:
+    """(line, as typed, value, decimals) of every number in ``text`` that looks like a measurement."""
+    fence = None
+    for n, line in enumerate(text.splitlines(), 1):
+        stripped = line.lstrip()
+        marker = re.match(r"(```|~~~)", stripped)
+        if marker:
+            fence = None if fence == marker.group(1) else (fence or marker.group(1))
+            continue
+        if fence or "--8<--" in line or QUOTED in line:
+            continue
+        prose = NOT_PROSE.sub(" ", line)
+        for m in NUMBER.finditer(prose):
+            value, unit = m.group("value"), (m.group("unit") or "").strip()
+            if VERSION_WORDS.search(prose[: m.start()]):
+                continue
+            decimals = len(value.split(".")[1]) if "." in value else 0
+            if not (decimals or unit or "," in value):
+                continue  # a bare integer: a count, a stage, a setting ("stage 3", "8 clients")
+            yield n, m.group(0).strip(), float(value.replace(",", "")), decimals
+
+
+def _numbers_in(value: Any) -> Iterator[float]:
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int | float):
+        if math.isfinite(value):
+            yield float(value)
+    elif isinstance(value, str):
+        for m in re.finditer(r"\d[\d,]*(?:\.\d+)?", value):
+            try:
+                yield float(m.group(0).replace(",", ""))
+            except ValueError:
+                continue
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _numbers_in(k)
+            yield from _numbers_in(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _numbers_in(v)
+
+
+def known_numbers(results: Path = evidence.RESULTS) -> list[float]:
+    """Every number the results files hold: JSON values (and numbers inside strings), and pages."""
+    found: list[float] = []
+    for path in sorted(results.glob("*")):
+        if path.suffix == ".json":
+            found += _numbers_in(json.loads(path.read_text()))
+        elif path.suffix == ".md":
+            found += _numbers_in(path.read_text())
+    return found
+
+
+class Sources:
+    """The known numbers, rounded on demand to each precision a chapter asks for."""
+
+    def __init__(self, numbers: Iterable[float]) -> None:
+        self.numbers = sorted(set(numbers))
+        self._rounded: dict[int, set[float]] = {}
+
+    def holds(self, value: float, decimals: int) -> bool:
+        if decimals not in self._rounded:
+            self._rounded[decimals] = {round(v * s, decimals) for v in self.numbers for s in SCALES}
+        return round(value, decimals) in self._rounded[decimals]
+
+
+def unsourced_numbers(chapters: Iterable[Path], sources: Sources) -> list[str]:
+    """``chapter.md:line: number`` for every measured-looking number no results file holds."""
+    problems = []
+    for chapter in chapters:
+        for line, typed, value, decimals in prose_numbers(chapter.read_text()):
+            if not sources.holds(value, decimals):
+                problems.append(f"{chapter.name}:{line}: {typed!r} is in no results file")
+    return problems
+
+
+def chapters(docs: Path = DOCS) -> list[Path]:
+    return sorted(p for p in docs.glob("*.md") if not p.name.startswith("_"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--stale", action="store_true", help="only the results files")
+    parser.add_argument("--prose", action="store_true", help="only the numbers in the chapters")
+    args = parser.parse_args(argv)
+    both = not (args.stale or args.prose)
+    problems = []
+    if args.stale or both:
+        problems += stale_evidence()
+    if args.prose or both:
+        problems += unsourced_numbers(chapters(), Sources(known_numbers()))
+    print("\n".join(problems) if problems else "the evidence is current; every number has a source")
+    if any("measured before" in p or "defaults changed" in p or "missing" in p for p in problems):
+        print("\n-> `make results` at a clean commit regenerates the results files", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

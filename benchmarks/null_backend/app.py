@@ -1,0 +1,35 @@
+"""A server with the real API contract and no model: what a request costs apart from the model.
+
+    python -m common.serve benchmarks.null_backend     # what benchmarks/stage2_overhead.py starts
+
+The contract (``common.api.create_app``) with a backend that tokenizes, as every stage does, and
+answers with fixed vectors instead of running the model: the HTTP ceiling of a machine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common.api import EmbedJob, EmbedResult, create_app, tokenize
+from common.engine import Engine, l2_normalize
+from common.settings import Settings
+
+
+# --8<-- [start:null_backend]
+class NullBackend:
+    """Answers without the model: what a request still costs is the contract's own work."""
+
+    def __init__(self, engine: Engine, settings: Settings) -> None:
+        rng = np.random.default_rng(0)
+        self.engine = engine
+        self.vectors = l2_normalize(rng.standard_normal((settings.max_items, engine.dimensions)))
+
+    async def embed(self, job: EmbedJob) -> EmbedResult:
+        tokens = await tokenize(self.engine, job)  # every stage tokenizes; only the model is left out
+        n = len(job.texts)
+        return EmbedResult(self.vectors[:n], [t.n_tokens for t in tokens], [t.truncated for t in tokens])
+
+
+# --8<-- [end:null_backend]
+
+app = create_app("null backend", NullBackend)

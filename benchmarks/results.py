@@ -1,0 +1,311 @@
+"""`make results`: every results file, table and picture the docs include, regenerated in one go.
+
+    python -m benchmarks.results                  # the full pipeline into docs/ (a clean tree: about 2 h)
+    python -m benchmarks.results --quick          # the same steps, briefly, into out/ (about 25 min)
+    python -m benchmarks.results --quick --record # ... into docs/ (a check, not evidence: QUICK is stamped)
+    python -m benchmarks.results --only stage3,compare     # some steps
+    python -m benchmarks.results --from compare            # resume after a failed step
+    python -m benchmarks.results --render         # no measuring: rewrite every .md and plot from its JSON
+    python -m benchmarks.results --list           # the steps, in order
+
+Each step is one command of its own (``python -m benchmarks.stage3 ...``), run as a subprocess with
+``--quick``, ``--record`` and ``--allow-dirty`` passed on; a progress line per step and the total at
+the end. A full run records by default; recording refuses a tree with uncommitted changes (the
+results folders aside) unless ``--allow-dirty``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtests import evidence
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    what: str
+    module: str
+    writes: tuple[str, ...]  # the results files (in docs/results/) it writes
+    minutes: float  # a full run on 2 cores, for the progress line
+    quick_minutes: float
+    stamped: bool = True  # takes --quick / --record / --allow-dirty; else --out <file> unless recording
+
+
+# The order: the model's facts, then each chapter's experiment from stage 0 on, then the
+# whole-system runs, then what is generated from code. A step that fails stops the run.
+STEPS: tuple[Step, ...] = (
+    Step("model", "model build facts", "benchmarks.model_facts", ("model.json",), 0.1, 0.1),
+    Step("stage0", "stage 0: fp32 and INT8 baseline", "benchmarks.stage0", ("stage0.json",), 1, 0.3),
+    Step(
+        "quantization",
+        "stage 0: quantization study",
+        "benchmarks.quantization",
+        ("quantization.json",),
+        12,
+        3,
+    ),
+    Step("bench", "microbenchmarks (pytest-benchmark)", "benchmarks.micro", ("bench.json",), 3, 1),
+    Step(
+        "stage2-overhead",
+        "stage 1/2: what the contract costs",
+        "benchmarks.stage2_overhead",
+        ("stage2_overhead.json",),
+        2,
+        0.7,
+    ),
+    Step(
+        "stage2-threads",
+        "stage 2: thread settings",
+        "benchmarks.stage2_threads",
+        ("stage2_threads.json",),
+        9,
+        1.5,
+    ),
+    Step("stage3", "stage 3: batching sweeps", "benchmarks.stage3", ("stage3_sweep.json",), 9, 3),
+    Step("stage4", "stage 4: cache tiers, repeats, overload", "benchmarks.stage4", ("stage4.json",), 3, 1.5),
+    Step("stage5", "stage 5: what watching costs", "benchmarks.stage5", ("stage5_overhead.json",), 4, 1),
+    Step(
+        "compare",
+        "every stage under the same Locust profiles",
+        "benchmarks.compare",
+        ("compare.json",),
+        45,
+        6,
+    ),
+    Step(
+        "screenshots", "Locust's web UI, pictures", "loadtests.ui_screenshot", ("locust_ui.json",), 1.5, 0.7
+    ),
+    Step(
+        "reliability",
+        "hostile input and faults, counted",
+        "benchmarks.reliability.reliability",
+        ("reliability.json",),
+        8,
+        5,
+    ),
+    Step("soak", "stage 5 with Redis for 10 minutes", "benchmarks.reliability.soak", ("soak.json",), 11, 1.5),
+    Step(
+        "settings",
+        "settings table (from the code)",
+        "benchmarks.settings_doc",
+        ("settings.md",),
+        0.1,
+        0.1,
+        stamped=False,
+    ),
+    Step(
+        "metrics",
+        "metrics reference (from the code)",
+        "benchmarks.metrics_reference",
+        ("stage5_metrics.md",),
+        0.1,
+        0.1,
+        stamped=False,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Page:
+    """A results JSON, the Markdown page rendered from it, and the pictures drawn from it."""
+
+    json: str
+    markdown: str
+    render: str  # "module:function", taking the parsed JSON and returning the page
+    draw: str | None = None  # "module:function", taking (JSON, img folder) and writing the pictures
+    images: tuple[str, ...] = ()
+
+
+PAGES: tuple[Page, ...] = (
+    Page("model.json", "model.md", "benchmarks.model_facts:markdown"),
+    Page("stage0.json", "stage0.md", "benchmarks.stage0:markdown"),
+    Page(
+        "quantization.json",
+        "quantization.md",
+        "benchmarks.quantization:markdown",
+        "benchmarks.results:_draw_quantization",
+        ("quantization.png",),
+    ),
+    Page("bench.json", "bench.md", "benchmarks.micro.report:markdown"),
+    Page("stage2_overhead.json", "stage2_overhead.md", "benchmarks.stage2_overhead:markdown"),
+    Page(
+        "stage2_threads.json",
+        "stage2_threads.md",
+        "benchmarks.stage2_threads:markdown",
+        "benchmarks.results:_draw_stage2_threads",
+        ("stage2_threads.png",),
+    ),
+    Page(
+        "stage3_sweep.json",
+        "stage3.md",
+        "benchmarks.stage3_report:markdown",
+        "benchmarks.results:_draw_stage3",
+        ("stage3_sweep.png",),
+    ),
+    Page("stage4.json", "stage4.md", "benchmarks.stage4:markdown"),
+    Page("stage5_overhead.json", "stage5_overhead.md", "benchmarks.stage5:markdown"),
+    Page(
+        "compare.json",
+        "compare.md",
+        "benchmarks.compare_report:markdown",
+        "benchmarks.compare_report:plots",
+        ("compare_throughput.png", "compare_p99.png"),
+    ),
+    Page(
+        "locust_ui.json",
+        "locust_ui.md",
+        "loadtests.ui_screenshot:caption_page",
+        images=("locust_start.png", "locust_charts.png", "locust_statistics.png"),
+    ),
+    Page("reliability.json", "reliability.md", "benchmarks.reliability.reliability:markdown"),
+    Page(
+        "soak.json",
+        "soak.md",
+        "benchmarks.reliability.soak_report:markdown",
+        "benchmarks.results:_draw_soak",
+        ("soak.png",),
+    ),
+)
+# Generated from the code, not measured: checked by content (tests/test_docs.py), not stamped,
+# since a commit stamp would make them differ from the code's rendering at every commit.
+FROM_CODE = ("settings.md", "stage5_metrics.md")
+
+
+def _function(ref: str) -> Callable[..., Any]:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+
+
+def _draw_quantization(result: dict[str, Any], img: Path) -> None:
+    _function("benchmarks.quantization:plot")(result, img / "quantization.png")
+
+
+def _draw_stage2_threads(result: dict[str, Any], img: Path) -> None:
+    _function("benchmarks.stage2_threads:plot")(result, img / "stage2_threads.png")
+
+
+def _draw_stage3(result: dict[str, Any], img: Path) -> None:
+    _function("benchmarks.stage3_report:plot")(result, img / "stage3_sweep.png")
+
+
+def _draw_soak(result: dict[str, Any], img: Path) -> None:
+    _function("benchmarks.reliability.soak_report:plot")(result, img / "soak.png")
+
+
+def render_page(page: Page, results: Path) -> str:
+    """The Markdown ``page`` renders from its JSON in ``results``."""
+    return str(_function(page.render)(json.loads((results / page.json).read_text())))
+
+
+def render(results: Path = evidence.RESULTS, img: Path = evidence.IMG, pictures: bool = True) -> list[Path]:
+    """Rewrite every page (and, with ``pictures``, every plot) from the JSON beside it."""
+    written = []
+    for page in PAGES:
+        if not (results / page.json).is_file():
+            continue
+        written.append(evidence.write_text(results / page.markdown, render_page(page, results)))
+        if pictures and page.draw:
+            _function(page.draw)(json.loads((results / page.json).read_text()), img)
+            written += [img / name for name in page.images]
+    return written
+
+
+# --- the pipeline ------------------------------------------------------------------------
+def command(step: Step, quick: bool, record: bool, allow_dirty: bool) -> list[str]:
+    args = [sys.executable, "-m", step.module]
+    if step.stamped:
+        args += [*(["--quick"] if quick else []), *(["--record"] if record else [])]
+        args += ["--allow-dirty"] if allow_dirty else []
+    elif not record:  # the generators write docs/results/ unless told otherwise
+        args += [
+            "--out",
+            str(
+                evidence.OUT / "results" / ("settings.md" if step.name == "settings" else "stage5_metrics.md")
+            ),
+        ]
+    return args
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def pipeline(steps: Sequence[Step], quick: bool, record: bool, allow_dirty: bool) -> int:
+    expected = sum(s.quick_minutes if quick else s.minutes for s in steps)
+    where = "docs/results/ and docs/img/" if record else "out/results/ and out/img/"
+    print(
+        f"make results: {len(steps)} steps, {'QUICK' if quick else 'full'}, about {expected:.0f} min,"
+        f" into {where}",
+        flush=True,
+    )
+    started = time.monotonic()
+    for n, step in enumerate(steps, 1):
+        print(f"[{n}/{len(steps)}] {step.name}: {step.what} ...", flush=True)
+        t0 = time.monotonic()
+        done = subprocess.run(command(step, quick, record, allow_dirty), cwd=evidence.REPO)
+        took = _minutes(time.monotonic() - t0)
+        if done.returncode != 0:
+            print(
+                f"[{n}/{len(steps)}] {step.name}: FAILED (exit {done.returncode}) after {took};"
+                f" resume with --from {step.name}",
+                flush=True,
+            )
+            return done.returncode
+        print(f"[{n}/{len(steps)}] {step.name}: done in {took}", flush=True)
+    print(f"make results: {len(steps)} steps done in {_minutes(time.monotonic() - started)}", flush=True)
+    return 0
+
+
+def select(only: str | None, start: str | None) -> list[Step]:
+    names = [s.name for s in STEPS]
+    chosen = list(STEPS)
+    if only:
+        wanted = [n.strip() for n in only.split(",") if n.strip()]
+        unknown = sorted(set(wanted) - set(names))
+        if unknown:
+            raise SystemExit(f"unknown step(s) {unknown}; the steps: {', '.join(names)}")
+        chosen = [s for s in chosen if s.name in wanted]
+    if start:
+        if start not in names:
+            raise SystemExit(f"unknown step {start!r}; the steps: {', '.join(names)}")
+        chosen = [s for s in chosen if names.index(s.name) >= names.index(start)]
+    return chosen
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    evidence.add_arguments(parser)
+    parser.add_argument("--only", help="comma-separated step names")
+    parser.add_argument("--from", dest="start", help="start at this step (after a failure)")
+    parser.add_argument("--render", action="store_true", help="rewrite pages and plots from the JSON only")
+    parser.add_argument("--list", action="store_true", help="print the steps and stop")
+    args = parser.parse_args(argv)
+    if args.list:
+        for s in STEPS:
+            print(f"{s.name:16s} {s.what} (~{s.minutes:g} min, QUICK ~{s.quick_minutes:g} min)")
+        return 0
+    if args.render:
+        for path in render():
+            print(f"wrote {path}")
+        return 0
+    record = args.record or not args.quick  # the full pipeline is what the docs show
+    # Refuse a dirty tree here, before hours of measuring, not at the first step that records.
+    options = argparse.Namespace(record=record, allow_dirty=args.allow_dirty, quick=args.quick)
+    run = evidence.start("benchmarks.results", options, argv)
+    return pipeline(select(args.only, args.start), args.quick, run.record, args.allow_dirty)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""`make bench-stage0`: stage 0's baseline (fp32 against the INT8 variants), recorded for the docs.
+
+    python -m benchmarks.stage0            # 2 s per measurement, about 1 minute
+    python -m benchmarks.stage0 --quick    # 0.2 s per measurement, seconds
+    python -m benchmarks.stage0 --record   # written to docs/results/stage0.json and stage0.md
+
+The measurement is stage 0's own (``python -m stage0_script --bench`` prints the same table);
+this module stamps it, writes the tables the chapters include, and compares a reader's figures
+with the committed ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtests import evidence
+from loadtests.tables import num, page, table
+from stage0_script.__main__ import measure
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """stage0.md: size, load, latency and items/s by batch size; quality from the build."""
+    rows = result["variants"]
+    batches = [b for b in rows[0]["items_per_s"] if b in ("1", "8", "32", "64")]
+    note = (
+        f"Texts: {result['texts']['count']} unique {result['texts']['kind']}s."
+        f" The INT8 mode the build chose: `{result['int8_default']}`."
+    )
+    speed = table(
+        ["variant", "file MB", "load s", "p50 ms, 1 text", *(f"items/s b{b}" for b in batches)],
+        [
+            (r["variant"], num(r["size_mb"]), num(r["load_s"], 2), num(r["latency_ms_batch1"]["p50"], 2),
+             *(num(r["items_per_s"][b], 0) for b in batches))
+            for r in rows
+        ],
+    )  # fmt: skip
+    quality = table(
+        ["variant", "mean cosine to fp32", "min cosine to fp32", "STS-B Spearman ×100"],
+        [
+            (r["variant"], num(q.get("mean_cosine_to_fp32"), 4), num(q.get("min_cosine_to_fp32"), 4),
+             num(q.get("stsb_spearman_x100"), 2))
+            for r in rows
+            for q in [r.get("quality", {})]
+        ],
+    )  # fmt: skip
+    return page(result["stamp"], {"speed": speed, "quality": quality}, note)
+
+
+def headline(result: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for r in result["variants"]:
+        out[f"{r['variant']} items/s at batch 32"] = r["items_per_s"]["32"]
+        out[f"{r['variant']} p50 ms, one text"] = r["latency_ms_batch1"]["p50"]
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, help="seconds per measurement (default 2, quick 0.2)")
+    parser.add_argument("--out", type=Path, help="folder for stage0.json and .md (out/results, docs/results)")
+    evidence.add_arguments(parser)
+    args = parser.parse_args(argv)
+    run = evidence.start("benchmarks.stage0", args, argv)
+    seconds = args.seconds or (0.2 if args.quick else 2.0)
+    result = {"stamp": {}, **measure(seconds)}
+    result["stamp"] = run.stamp()
+    out = args.out or run.results_dir
+    evidence.write_json(out / "stage0.json", result)
+    evidence.write_text(out / "stage0.md", markdown(result))
+    print(markdown(result))
+    print(f"wrote {out / 'stage0.json'} and {out / 'stage0.md'}")
+    evidence.against_reference(run, "stage0.json", result, headline)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,408 @@
+"""Where a result comes from and where it goes: one machine record, one stamp, out/ or docs/results/.
+
+Every results file carries a ``stamp``: the commit (and whether the tree had uncommitted changes),
+the date, the machine, the command line, the wall time of the run, QUICK or full, and the server
+settings it ran with (each setting that differs from the defaults in ``common.settings.Settings``,
+and a fingerprint of the defaults, so a test can tell when a default changed after the run).
+
+A reader's run writes to ``out/`` (git-ignored) and prints its figures beside the committed ones;
+only ``--record`` (``make results``, ``RECORD=1``) writes ``docs/results/`` and ``docs/img/``, and it
+refuses a tree with uncommitted changes unless ``--allow-dirty``, which marks the stamp dirty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import psutil
+from pydantic import SecretStr
+
+from common.settings import REPO_ROOT, Settings
+
+REPO = REPO_ROOT
+RESULTS = REPO / "docs" / "results"  # the committed evidence the docs include
+IMG = REPO / "docs" / "img"
+OUT = REPO / "out"  # git-ignored: a reader's runs, logs, raw files
+EVIDENCE_DIRS = ("docs/results", "docs/img")  # written by the runs: not "uncommitted code"
+SCHEMA = 1
+LAUNCHER_CHOOSES = ("HOST", "PORT")  # every server gets a free port of its own: not a setting of the run
+VERSIONS = ("onnxruntime", "tokenizers", "numpy", "fastapi", "uvicorn", "redis", "locust")
+
+
+# --- the machine -------------------------------------------------------------------------
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "missing"
+
+
+def machine() -> dict[str, Any]:
+    """The one machine record every results file carries."""
+    return {
+        "cpu_model": _cpu_model(),
+        "logical_cores": psutil.cpu_count(logical=True),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {name: _version(name) for name in VERSIONS},
+    }
+
+
+# --- the commit --------------------------------------------------------------------------
+def _git(*args: str, repo: Path = REPO) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+
+def git_state(repo: Path = REPO) -> tuple[str, list[str]]:
+    """(commit, paths with uncommitted changes), the results folders left out: a run writes them.
+    Untracked files count (a new module can change what runs). Outside git: ("unknown", ["?"])."""
+    try:
+        commit = _git("rev-parse", "HEAD", repo=repo).strip()
+        excluded = [f":(exclude){d}" for d in EVIDENCE_DIRS]
+        status = _git("status", "--porcelain", "--untracked-files=all", "--", ".", *excluded, repo=repo)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", ["?"]
+    return commit, [line[3:] for line in status.splitlines() if line.strip()]
+
+
+# --- the settings ------------------------------------------------------------------------
+def _plain(value: Any) -> Any:
+    """A settings value as JSON, the same on every checkout (paths relative to the repository)."""
+    if isinstance(value, SecretStr):
+        return "<secret>" if value.get_secret_value() else ""
+    if isinstance(value, Path):
+        return value.relative_to(REPO).as_posix() if value.is_relative_to(REPO) else str(value)
+    if isinstance(value, Enum):
+        return value.value
+    return value
+
+
+def defaults(settings_cls: type[Settings] = Settings) -> dict[str, Any]:
+    """Every setting's default, by its environment name."""
+    return {
+        name.upper(): _plain(info.get_default(call_default_factory=True))
+        for name, info in settings_cls.model_fields.items()
+    }
+
+
+def defaults_fingerprint(settings_cls: type[Settings] = Settings) -> str:
+    """A short hash of every default: it changes when any default (or setting name) changes."""
+    text = json.dumps(defaults(settings_cls), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def resolved_settings(env: Mapping[str, str] | None = None, without: Sequence[str] = ()) -> Settings:
+    """The settings a server started from this process gets: this environment, plus ``env``,
+    less the variables named in ``without`` (what the launchers in ``loadtests.procs`` do)."""
+    merged = {k.upper(): v for k, v in os.environ.items()}
+    merged.update({k.upper(): v for k, v in (env or {}).items()})
+    for name in without:
+        merged.pop(name.upper(), None)
+    given: dict[str, Any] = {}
+    for name, info in Settings.model_fields.items():
+        # Every field is passed (default when unset), so nothing else is read from os.environ.
+        given[name] = merged.get(name.upper(), info.get_default(call_default_factory=True))
+    return Settings(**given)
+
+
+def settings_record(env: Mapping[str, str] | None = None, without: Sequence[str] = ()) -> dict[str, Any]:
+    """The settings a run used: those that differ from the defaults, and the defaults' fingerprint."""
+    settings, base = resolved_settings(env, without), defaults()
+    changed = {}
+    for name in Settings.model_fields:
+        if name.upper() in LAUNCHER_CHOOSES:
+            continue
+        value = _plain(getattr(settings, name))
+        if value != base[name.upper()]:
+            changed[name.upper()] = value
+    return {"changed": changed, "defaults_fingerprint": defaults_fingerprint()}
+
+
+# --- one run -----------------------------------------------------------------------------
+class DirtyTree(SystemExit):
+    """Recording refused: the tree has uncommitted changes."""
+
+
+def add_arguments(parser: argparse.ArgumentParser, quick: bool = True) -> None:
+    """The options every measuring command shares."""
+    if quick:
+        parser.add_argument("--quick", action="store_true", help="a short run, to see that it all works")
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="write docs/results/ and docs/img/ (the committed evidence); default: out/",
+    )
+    parser.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="record from a tree with uncommitted changes (the stamp says so)",
+    )
+
+
+@dataclass
+class Run:
+    """One run of one measuring command: where it writes and how it stamps."""
+
+    module: str  # "benchmarks.compare": the command line is `python -m <module> <argv>`
+    argv: list[str]
+    quick: bool = False
+    record: bool = False
+    allow_dirty: bool = False
+    commit: str = "unknown"
+    changed: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    date: str = field(default_factory=lambda: dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+
+    @property
+    def command(self) -> str:
+        return shlex.join(["python", "-m", self.module, *self.argv])
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self.changed)
+
+    @property
+    def results_dir(self) -> Path:
+        return RESULTS if self.record else OUT / "results"
+
+    @property
+    def img_dir(self) -> Path:
+        return IMG if self.record else OUT / "img"
+
+    def logs(self, name: str) -> Path:
+        """A git-ignored folder for server logs and raw files."""
+        path = OUT / "logs" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def stamp(
+        self, server_env: Mapping[str, str] | None = None, without: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        """The provenance of a results file written now."""
+        return {
+            "schema": SCHEMA,
+            "commit": self.commit,
+            "dirty": self.dirty,
+            "changed_files": self.changed[:20],
+            "date": self.date,
+            "command": self.command,
+            "wall_s": round(time.monotonic() - self.started, 1),
+            "quick": self.quick,
+            "machine": machine(),
+            "settings": settings_record(server_env, without),
+        }
+
+
+def start(module: str, args: argparse.Namespace, argv: Sequence[str] | None = None) -> Run:
+    """Begin a run from parsed arguments (see ``add_arguments``); refuse to record a dirty tree."""
+    import sys
+
+    run = Run(
+        module=module,
+        argv=list(sys.argv[1:] if argv is None else argv),
+        quick=bool(getattr(args, "quick", False)),
+        record=bool(getattr(args, "record", False)),
+        allow_dirty=bool(getattr(args, "allow_dirty", False)),
+    )
+    run.commit, run.changed = git_state()
+    if run.record and run.dirty and not run.allow_dirty:
+        shown = "\n  ".join(run.changed[:10]) + ("\n  ..." if len(run.changed) > 10 else "")
+        raise DirtyTree(
+            f"refusing to record {module}: uncommitted changes\n  {shown}\n"
+            "commit them, or pass --allow-dirty (ALLOW_DIRTY=1): the results are then marked dirty"
+        )
+    where = (
+        "docs/results/ and docs/img/ (recording)" if run.record else "out/ (pass --record to update docs/)"
+    )
+    print(f"{run.command}: results go to {where}", flush=True)
+    return run
+
+
+# --- writing -----------------------------------------------------------------------------
+def write_json(path: Path, payload: dict[str, Any], indent: int = 2) -> Path:
+    """``payload`` as JSON, its ``stamp`` first."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ordered = {"stamp": payload["stamp"], **{k: v for k, v in payload.items() if k != "stamp"}}
+    path.write_text(json.dumps(ordered, indent=indent) + "\n")
+    return path
+
+
+def write_text(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def provenance(stamp: dict[str, Any]) -> dict[str, Any]:
+    """The part of a stamp a Markdown table or a picture carries (the staleness test reads it)."""
+    settings = stamp.get("settings") or {}
+    return {
+        "commit": stamp.get("commit"),
+        "dirty": stamp.get("dirty"),
+        "date": stamp.get("date"),
+        "command": stamp.get("command"),
+        "quick": stamp.get("quick"),
+        "defaults_fingerprint": settings.get("defaults_fingerprint"),
+        **({"legacy": True} if stamp.get("legacy") else {}),
+    }
+
+
+PROVENANCE_PREFIX = "<!-- provenance: "
+
+
+def provenance_comment(stamp: dict[str, Any]) -> str:
+    """The first line of every generated Markdown file: where its numbers come from."""
+    return f"{PROVENANCE_PREFIX}{json.dumps(provenance(stamp))} (generated; do not edit) -->"
+
+
+def read_provenance(text: str) -> dict[str, Any] | None:
+    """The provenance a Markdown file carries on its first line, or None."""
+    first = text.split("\n", 1)[0]
+    if not first.startswith(PROVENANCE_PREFIX):
+        return None
+    body = first.removeprefix(PROVENANCE_PREFIX).rsplit(" (generated", 1)[0]
+    try:
+        return dict(json.loads(body))
+    except ValueError:
+        return None
+
+
+def save_figure(fig: Any, path: Path, stamp: dict[str, Any], dpi: int = 110) -> Path:
+    """Save a matplotlib figure as PNG with the provenance in a text chunk."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, metadata={"provenance": json.dumps(provenance(stamp))})
+    return path
+
+
+def stamp_png(path: Path, stamp: dict[str, Any]) -> Path:
+    """Add the provenance to a PNG written by something else (a browser screenshot)."""
+    from PIL import Image, PngImagePlugin
+
+    info = PngImagePlugin.PngInfo()
+    info.add_text("provenance", json.dumps(provenance(stamp)))
+    with Image.open(path) as image:
+        image.load()
+        image.save(path, pnginfo=info)
+    return path
+
+
+def read_png_provenance(path: Path) -> dict[str, Any] | None:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        text = getattr(image, "text", {}).get("provenance")
+    try:
+        return dict(json.loads(text)) if text else None
+    except ValueError:
+        return None
+
+
+# --- words for the docs ------------------------------------------------------------------
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "time not recorded"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} minutes"
+    return f"{seconds / 3600:.1f} hours"
+
+
+def settings_words(stamp: dict[str, Any]) -> str:
+    settings = stamp.get("settings")
+    if not settings:
+        return "server settings not recorded"
+    changed = settings.get("changed") or {}
+    listed = ", ".join(f"`{k}={v}`" for k, v in changed.items())
+    return f"server settings: the defaults{' except ' + listed if listed else ''}"
+
+
+def describe(stamp: dict[str, Any]) -> str:
+    """One sentence for a results page: command, commit, date, duration, machine, settings."""
+    m = stamp["machine"]
+    commit = str(stamp.get("commit") or "unknown")[:7]
+    when = str(stamp.get("date", "?"))[:16].replace("T", " ")
+    if stamp.get("legacy"):
+        known = f", commit `{stamp['commit']}`" if stamp.get("commit") else ""
+        where = f"on {when} UTC{known}, before results were stamped (its settings not recorded)"
+    else:
+        dirty = " with uncommitted changes" if stamp.get("dirty") else ""
+        where = f"at commit `{commit}`{dirty} on {when} UTC ({_duration(stamp.get('wall_s'))})"
+    text = (
+        f"Measured by `{stamp.get('command', '?')}` {where}: {m.get('cpu_model', '?')},"
+        f" {m.get('logical_cores', '?')} logical cores, {m.get('memory_gib', '?')} GiB memory,"
+        f" Python {m.get('python', '?')}; {settings_words(stamp)}."
+    )
+    if stamp.get("quick"):
+        text += " **QUICK run**: a few seconds per point, to check the tools; the figures are noisy."
+    return text
+
+
+# --- a reader's figures beside the committed ones ----------------------------------------
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+Headline = Callable[[dict[str, Any]], dict[str, float]]
+
+
+def against_reference(
+    run: Run, filename: str, result: dict[str, Any], headline: Headline, reference_dir: Path = RESULTS
+) -> list[tuple[str, float, float, float]]:
+    """Print this run's headline figures beside those of the committed results file, as ratios.
+
+    Returns (figure, reference, yours, ratio) rows; nothing when there is no usable reference.
+    """
+    from tabulate import tabulate
+
+    path = reference_dir / filename
+    if not path.is_file() or (run.record and reference_dir == run.results_dir):
+        return []
+    try:
+        reference = json.loads(path.read_text())
+        theirs, mine = headline(reference), headline(result)
+    except (ValueError, KeyError, TypeError, IndexError, ZeroDivisionError):
+        print(f"(no comparison: {_shown(path)} is in another format)", flush=True)
+        return []
+    rows = [(k, theirs[k], mine[k], mine[k] / theirs[k]) for k in mine if theirs.get(k)]
+    if not rows:
+        return []
+    stamp = reference.get("stamp") or {}
+    m = stamp.get("machine") or reference.get("machine") or {}
+    print(
+        f"\nyour machine against the reference in {_shown(path)}"
+        f" ({m.get('cpu_model') or m.get('cpu', '?')}, {str(stamp.get('date', '?'))[:10]}):",
+        flush=True,
+    )
+    table = [(k, f"{a:,.4g}", f"{b:,.4g}", f"{r:.2f}x") for k, a, b, r in rows]
+    print(tabulate(table, headers=["figure", "reference", "yours", "yours / reference"],
+                   disable_numparse=True, colalign=("left", "right", "right", "right")))  # fmt: skip
+    if run.quick:
+        print("(a QUICK run: the ratios are rough)", flush=True)
+    return rows

@@ -1,0 +1,358 @@
+"""Evidence you can trust: stamps, out/ against docs/, `make results`, and the checks on docs/.
+
+The two checks on the committed docs (``test_the_committed_evidence_is_current`` and
+``test_every_number_in_the_chapters_comes_from_a_results_file``) are the ones the lead acts on:
+the first fails until `make results` has run at a clean commit; the second runs when
+PROSE_NUMBERS=1 (the chapters are being rewritten; set it, or delete the skip, once they are).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from benchmarks import evidence_check, results
+from benchmarks.evidence_check import (
+    Sources,
+    prose_numbers,
+    stale_evidence,
+    stamp_problems,
+    unsourced_numbers,
+)
+from common.settings import Settings
+from loadtests import evidence, tables
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _fresh_stamp(**changes: object) -> dict[str, object]:
+    """A stamp as a clean, full run at this commit would write it."""
+    run = evidence.Run("benchmarks.example", ["--record"], record=True, commit="0" * 40)
+    return {**run.stamp(), **changes}
+
+
+# --- the stamp ---------------------------------------------------------------------------
+def test_a_stamp_has_every_field_and_one_machine_record() -> None:
+    stamp = _fresh_stamp()
+    assert {"commit", "dirty", "date", "command", "wall_s", "quick", "machine", "settings"} <= set(stamp)
+    assert stamp["command"] == "python -m benchmarks.example --record"
+    assert set(stamp["machine"]) == {
+        "cpu_model",
+        "logical_cores",
+        "physical_cores",
+        "memory_gib",
+        "os",
+        "python",
+        "versions",
+    }
+    assert stamp["machine"]["logical_cores"] >= 1 and stamp["machine"]["versions"]["numpy"] != "missing"
+    assert stamp["settings"]["defaults_fingerprint"] == evidence.defaults_fingerprint()
+
+
+def test_the_settings_record_lists_what_differs_from_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.upper() in {n.upper() for n in Settings.model_fields}:
+            monkeypatch.delenv(name)
+    assert evidence.settings_record()["changed"] == {}
+    monkeypatch.setenv("BATCH_WINDOW_MS", "2")
+    monkeypatch.setenv("CACHE_URL", "redis://:hunter2@127.0.0.1:6379/0")
+    record = evidence.settings_record({"MAX_QUEUE": "256", "PORT": "9999"})
+    # the launchers pick HOST and PORT per server; a secret never reaches a results file
+    assert record["changed"] == {"BATCH_WINDOW_MS": 2.0, "CACHE_URL": "<secret>", "MAX_QUEUE": 256}
+    assert evidence.settings_record(without=("CACHE_URL",))["changed"] == {"BATCH_WINDOW_MS": 2.0}
+
+
+def test_the_fingerprint_changes_with_any_default_and_only_then(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = evidence.defaults_fingerprint()
+    assert before == evidence.defaults_fingerprint()
+    monkeypatch.setenv("MAX_QUEUE", "7")  # the environment is a run's settings, not the defaults
+    assert evidence.defaults_fingerprint() == before
+
+    class Changed(Settings):
+        max_queue: int = 2048
+
+    assert evidence.defaults_fingerprint(Changed) != before
+    # paths are recorded relative to the checkout, so every clone computes the same fingerprint
+    assert evidence.defaults()["MODEL_DIR"] == "models/all-MiniLM-L6-v2"
+
+
+def test_recording_refuses_a_dirty_tree_unless_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "add", "code.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
+    commit, changed = evidence.git_state(tmp_path)
+    assert len(commit) == 40 and changed == []
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "new.json").write_text("{}")  # what a run writes: not code
+    assert evidence.git_state(tmp_path)[1] == []
+    (tmp_path / "code.py").write_text("x = 2\n")
+    (tmp_path / "new_module.py").write_text("")
+    assert sorted(evidence.git_state(tmp_path)[1]) == ["code.py", "new_module.py"]
+
+    monkeypatch.setattr(evidence, "git_state", lambda repo=tmp_path: ("1" * 40, ["code.py"]))
+    args = type("Args", (), {"record": True, "allow_dirty": False, "quick": False})()
+    with pytest.raises(evidence.DirtyTree, match="--allow-dirty"):
+        evidence.start("benchmarks.example", args, ["--record"])
+    args.allow_dirty = True
+    run = evidence.start("benchmarks.example", args, ["--record", "--allow-dirty"])
+    assert run.record and run.stamp()["dirty"] is True and run.results_dir == evidence.RESULTS
+    args.record = args.allow_dirty = False  # a reader's run: out/, never refused, honestly stamped
+    run = evidence.start("benchmarks.example", args, [])
+    assert run.results_dir == evidence.OUT / "results" and run.img_dir == evidence.OUT / "img"
+    assert run.stamp()["dirty"] is True
+
+
+def test_pages_and_pictures_carry_the_provenance(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stamp = _fresh_stamp()
+    text = tables.page(stamp, {"numbers": tables.table(["a", "b"], [("x", tables.num(1234.5))])})
+    assert evidence.read_provenance(text) == evidence.provenance(stamp)
+    assert "| x   | 1,234.5 |" in text and "|:----|--------:|" in text
+    assert "[start:machine]" in text and evidence.describe(stamp) in text
+    fig = plt.figure()
+    plot = evidence.save_figure(fig, tmp_path / "plot.png", stamp)
+    plt.close(fig)
+    assert evidence.read_png_provenance(plot) == evidence.provenance(stamp)
+    Image.new("RGB", (8, 8)).save(tmp_path / "shot.png")  # a browser's screenshot
+    assert evidence.read_png_provenance(tmp_path / "shot.png") is None
+    evidence.stamp_png(tmp_path / "shot.png", stamp)
+    assert evidence.read_png_provenance(tmp_path / "shot.png") == evidence.provenance(stamp)
+
+
+def test_a_readers_figures_are_compared_with_the_reference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reference = {"stamp": _fresh_stamp(), "rps": 200.0}
+    (tmp_path / "x.json").write_text(json.dumps(reference))
+    run = evidence.Run("benchmarks.example", [])
+
+    def headline(result: dict[str, float]) -> dict[str, float]:
+        return {"req/s": result["rps"]}
+
+    rows = evidence.against_reference(run, "x.json", {"rps": 164.0}, headline, tmp_path)
+    assert rows == [("req/s", 200.0, 164.0, 0.82)]
+    assert "0.82x" in capsys.readouterr().out
+    assert evidence.against_reference(run, "x.json", {"other": 1}, headline, tmp_path) == []  # another format
+    assert evidence.against_reference(run, "missing.json", {"rps": 1.0}, headline, tmp_path) == []
+
+
+# --- staleness ---------------------------------------------------------------------------
+def test_stamp_problems_name_every_reason() -> None:
+    now = evidence.defaults_fingerprint()
+    assert stamp_problems("a.json", _fresh_stamp(), now) == []
+    assert stamp_problems("a.json", None, now) == ["a.json: no stamp (not written by a stamped run)"]
+    assert "uncommitted" in stamp_problems("a.json", _fresh_stamp(dirty=True), now)[0]
+    assert "QUICK" in stamp_problems("a.json", _fresh_stamp(quick=True), now)[0]
+    assert "before results were stamped" in stamp_problems("a.json", {"legacy": True, "date": "d"}, now)[0]
+    old = _fresh_stamp(date="2001-01-01T00:00:00+00:00", commit="f" * 40)
+    assert stamp_problems("a.json", old, now) == []  # age alone is never a reason
+
+
+def _write_page(results: Path, img: Path, stamp: dict[str, object]) -> None:
+    """A small results folder laid out as `make results` leaves it (the stage 0 page)."""
+    result = {
+        "stamp": stamp,
+        "texts": {"kind": "sentence", "count": 2},
+        "int8_default": "int8-dynamic",
+        "variants": [
+            {
+                "variant": "fp32",
+                "size_mb": 90.4,
+                "load_s": 0.1,
+                "latency_ms_batch1": {"p50": 6.1, "p90": 7.0},
+                "items_per_s": {"1": 170.0, "8": 177.0, "32": 212.0, "64": 200.0},
+                "quality": {"stsb_spearman_x100": 86.72},
+            }
+        ],
+    }
+    evidence.write_json(results / "stage0.json", result)
+    evidence.write_text(results / "stage0.md", results_page("stage0.json", results))
+
+
+def results_page(name: str, folder: Path) -> str:
+    page = next(p for p in results.PAGES if p.json == name)
+    return results.render_page(page, folder)
+
+
+def test_changing_a_default_makes_the_evidence_stale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    res, img = tmp_path / "results", tmp_path / "img"
+    img.mkdir()
+    monkeypatch.setattr(results, "PAGES", tuple(p for p in results.PAGES if p.json == "stage0.json"))
+    monkeypatch.setattr(evidence_check, "PAGES", results.PAGES)
+    monkeypatch.setattr(evidence_check, "PICTURES_FROM_ELSEWHERE", {})
+    _write_page(res, img, _fresh_stamp())
+    assert stale_evidence(res, img) == []
+
+    # A default changes in common/settings.py, and nobody reruns the measurement:
+    monkeypatch.setattr(Settings.model_fields["max_queue"], "default", 2048)
+    problems = stale_evidence(res, img)
+    assert len(problems) == 1 and "stage0.json: the defaults changed since it was measured" in problems[0]
+    _write_page(res, img, _fresh_stamp())  # ... until it is rerun
+    assert stale_evidence(res, img) == []
+
+
+def test_the_staleness_check_catches_each_kind_of_stale_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    res, img = tmp_path / "results", tmp_path / "img"
+    img.mkdir()
+    monkeypatch.setattr(evidence_check, "PAGES", tuple(p for p in results.PAGES if p.json == "stage0.json"))
+    monkeypatch.setattr(evidence_check, "PICTURES_FROM_ELSEWHERE", {})
+    assert stale_evidence(res, img) == ["stage0.json: missing (make results writes it)"]
+    _write_page(res, img, _fresh_stamp(dirty=True))
+    assert stale_evidence(res, img) == ["stage0.json: measured with uncommitted changes (--allow-dirty)"]
+    _write_page(res, img, _fresh_stamp())
+    page = (res / "stage0.md").read_text()
+    (res / "stage0.md").write_text(page.replace('"commit": "000', '"commit": "111'))  # from another run
+    assert stale_evidence(res, img) == [
+        "stage0.md: provenance differs from its JSON's stamp (rendered from another run)"
+    ]
+    (res / "stage0.md").write_text(page)
+    data = json.loads((res / "stage0.json").read_text())
+    del data["stamp"]
+    (res / "stage0.json").write_text(json.dumps(data))
+    (res / "old_table.md").write_text("| typed | by hand |\n")
+    Image.new("RGB", (8, 8)).save(img / "orphan.png")
+    assert stale_evidence(res, img) == [
+        "stage0.json: no stamp (not written by a stamped run)",
+        "old_table.md: no step of make results writes it (remove it, or add a step)",
+        "orphan.png: no step of make results draws it (remove it, or add a step)",
+    ]
+
+
+def test_every_results_page_is_rendered_from_its_json() -> None:
+    """A page typed (or edited) by hand, or rendered by an older format, fails here."""
+    stale = [
+        page.markdown
+        for page in results.PAGES
+        if (evidence.RESULTS / page.json).is_file()
+        and (evidence.RESULTS / page.markdown).read_text() != results.render_page(page, evidence.RESULTS)
+    ]
+    assert not stale, f"rerender with `python -m benchmarks.results --render`: {stale}"
+
+
+def test_the_committed_evidence_is_current() -> None:
+    """Every results file stamped, clean, full, with today's defaults. Fails until `make results`
+    has rerun the measurements at a clean commit (and after any change of a default)."""
+    problems = stale_evidence()
+    assert not problems, "run `make results` at a clean commit and commit docs/:\n" + "\n".join(problems)
+
+
+# --- numbers in prose --------------------------------------------------------------------
+PROSE = """# Stage 3
+
+Stage 3 answered 512 req/s at 32 clients, 1.55x stage 2 and 92% of the ceiling; p99 45 ms.
+It ran 61,568 requests in 10 minutes on Python 3.11.7 with int8 and fp32, `MAX_BATCH_SIZE=32`.
+
+```bash
+curl -d '{"inputs": ["x"]}' localhost:8000   # took 123.4 ms
+```
+
+A vendor quotes 900 req/s for a bigger machine. <!-- quoted -->
+--8<-- "docs/results/stage3.md:targets"
+The window was 2.0 ms <!-- 77.7 ms in a comment -->, see [the run](results/x.json).
+"""
+
+
+def test_prose_numbers_are_the_measured_looking_ones() -> None:
+    found = [(line, typed) for line, typed, _, _ in prose_numbers(PROSE)]
+    assert found == [
+        (3, "512 req/s"),
+        (3, "1.55x"),
+        (3, "92%"),
+        (3, "45 ms"),
+        (4, "61,568"),
+        (4, "10 minutes"),
+        (12, "2.0 ms"),
+    ]
+
+
+def test_a_number_no_results_file_holds_is_reported(tmp_path: Path) -> None:
+    chapter = tmp_path / "stage3.md"
+    chapter.write_text(PROSE)
+    # 511.7 rounds to 512; 0.92 is 92%; 600 s are 10 minutes; 61568 with its separator
+    sources = Sources([511.7, 1.55, 0.92, 45.2, 61568, 600, 2])
+    assert unsourced_numbers([chapter], sources) == []
+    sources = Sources([511.7, 1.55, 0.92, 61568, 600, 2])  # nobody measured the 45 ms
+    assert unsourced_numbers([chapter], sources) == ["stage3.md:3: '45 ms' is in no results file"]
+    chapter.write_text(PROSE.replace("512 req/s", "510 req/s"))  # rounded by hand: no longer the result
+    assert unsourced_numbers([chapter], Sources([511.7, 1.55, 0.92, 45.2, 61568, 600, 2])) == [
+        "stage3.md:3: '510 req/s' is in no results file"
+    ]
+
+
+def test_known_numbers_come_from_json_values_and_pages(tmp_path: Path) -> None:
+    (tmp_path / "a.json").write_text(json.dumps({"rps": 511.7, "label": "64 texts", "ok": True}))
+    (tmp_path / "a.md").write_text("| x | 1,234.5 |\n")
+    assert sorted(evidence_check.known_numbers(tmp_path)) == [64.0, 511.7, 1234.5]
+
+
+@pytest.mark.skipif(
+    os.environ.get("PROSE_NUMBERS") != "1", reason="chapters being rewritten: PROSE_NUMBERS=1"
+)
+def test_every_number_in_the_chapters_comes_from_a_results_file() -> None:
+    problems = unsourced_numbers(evidence_check.chapters(), Sources(evidence_check.known_numbers()))
+    assert not problems, (
+        "quote results through snippets, or mark a figure from elsewhere with <!-- quoted -->:\n"
+        + "\n".join(problems)
+    )
+
+
+# --- the pipeline ------------------------------------------------------------------------
+def test_make_results_lists_every_step_in_order() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.results", "--list"], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    names = [line.split()[0] for line in done.stdout.splitlines()]
+    assert names == [s.name for s in results.STEPS]
+    assert names.index("model") < names.index("stage0") < names.index("stage3") < names.index("compare")
+    assert names.index("compare") < names.index("soak") < names.index("settings")
+    # every page the docs include, and every file generated from the code, has a step that writes it
+    written = {name for s in results.STEPS for name in s.writes}
+    assert {p.json for p in results.PAGES} | set(results.FROM_CODE) == written
+
+
+def test_make_results_quick_runs_the_pipeline_into_out(tmp_path: Path) -> None:
+    """The pipeline's machinery on its two fastest steps: progress lines, the total, out/ not docs/."""
+    before = {p: p.stat().st_mtime for p in evidence.RESULTS.glob("*")}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.results", "--quick", "--only", "model,settings"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "2 steps, QUICK" in lines[1] and "into out/results/ and out/img/" in lines[1]
+    assert any(line.startswith("[1/2] model: done in") for line in lines)
+    assert any(line.startswith("[2/2] settings: done in") for line in lines)
+    assert "2 steps done in" in lines[-1]
+    assert json.loads((evidence.OUT / "results" / "model.json").read_text())["stamp"]["command"]
+    assert (evidence.OUT / "results" / "settings.md").is_file()
+    assert {p: p.stat().st_mtime for p in evidence.RESULTS.glob("*")} == before  # docs/ untouched
+
+
+def test_a_failed_step_stops_the_pipeline_and_says_how_to_resume() -> None:
+    step = results.Step(
+        "broken", "a step that fails", "benchmarks.no_such_module", ("x.md",), 0, 0, stamped=False
+    )
+    assert results.pipeline([step], quick=True, record=False, allow_dirty=False) != 0
+    with pytest.raises(SystemExit, match="unknown step"):
+        results.select("stage3,nope", None)
+    assert [s.name for s in results.select(None, "soak")] == ["soak", "settings", "metrics"]
