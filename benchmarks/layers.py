@@ -1,0 +1,184 @@
+"""Are the layers free? Stages 2, 3 and 5 side by side on all-unique texts, taking turns.
+
+    python -m benchmarks.layers            # about 6 minutes; run it on a quiet machine
+    python -m benchmarks.layers --quick    # seconds per point, about a minute
+    python -m benchmarks.layers --record   # written to docs/results/layers.*
+    make bench-layers                      # the same (QUICK=1, RECORD=1)
+
+Batching, the cache and the metrics cannot help a stream of texts the server has never seen:
+every text must reach the model. On that traffic a later stage should cost close to nothing
+over stage 2's thread pool, and batching should still gain a little (one thread hop per batch
+instead of one per request). This experiment measures exactly that:
+
+* the three servers run at once with their default settings, and take turns under the same
+  closed-loop load (A B C, A B C, ... and the medians), so a drift of the machine hits all alike;
+* at 1, 32 and 128 connections, one new 12-20 word sentence per request;
+* per point: requests/s, p50 and p99, and the server's CPU in cores (of the machine's two);
+* the engine alone on the same kind of texts (tokenize, model, normalize; no HTTP) is the
+  yardstick: how close each stage gets to what the model can do on this machine.
+
+Writes layers.json and layers.md (the ratio table the stage 3 and stage 5 chapters include).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks.compare import engine_ceiling
+from benchmarks.stage3 import bodies_for, load
+from loadtests import evidence
+from loadtests.harness import process_cpu, settle
+from loadtests.procs import running_stage
+from loadtests.tables import num, page, table
+
+STAGES = ("stage2_threadpool", "stage3_batching", "stage5_metrics")
+SHORT = {"stage2_threadpool": "stage 2", "stage3_batching": "stage 3", "stage5_metrics": "stage 5"}
+
+
+def _point(server: Any, clients: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One measured interval after a warm-up: throughput, latency, and the server's cores."""
+    bodies = bodies_for("sentence", 40_000 if clients > 1 else 8_000, seed=seed)  # never seen before
+    load(server.port, bodies[::-1], clients, args.warmup, warmup=0.001)  # warm-up on other texts
+    process = psutil.Process(server.pid)
+    cpu = process_cpu(process)
+    point = load(server.port, bodies, clients, args.duration, warmup=0.001)
+    point["server_cores"] = round((process_cpu(process) - cpu) / args.duration, 2)
+    return point
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    points: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        logs = evidence.OUT / "logs" / "layers"
+        servers = {stage: stack.enter_context(running_stage(stage, logs)) for stage in args.stages}
+        for clients in args.clients:
+            for round_ in range(args.rounds):
+                for stage in args.stages:  # A B C, A B C: every stage once per round
+                    server = servers[stage]
+                    settle(server.pid, server.url)
+                    point = _point(server, clients, seed=9000 + 100 * round_ + clients, args=args)
+                    point.update(stage=stage, round=round_)
+                    print(json.dumps(point), flush=True)
+                    points.append(point)
+    print("the engine alone ...", flush=True)
+    ceiling = engine_ceiling(["sentence"], args.ceiling_seconds)["sentence"]
+    return {
+        "duration_s": args.duration,
+        "warmup_s": args.warmup,
+        "rounds": args.rounds,
+        "clients": list(args.clients),
+        "stages": list(args.stages),
+        "points": points,
+        "ceiling": ceiling,
+        "summary": summarize(points, args.stages, args.clients, ceiling["texts_per_s"]),
+    }
+
+
+def summarize(
+    points: list[dict[str, Any]], stages: Sequence[str], clients: Sequence[int], ceiling: float
+) -> dict[str, Any]:
+    """Medians over the rounds per (clients, stage), and each stage against stage 2 and the engine."""
+    out: dict[str, Any] = {}
+    for n in clients:
+        row: dict[str, Any] = {}
+        for stage in stages:
+            mine = [p for p in points if p["clients"] == n and p["stage"] == stage]
+            row[stage] = {
+                key: statistics.median(p[key] for p in mine)
+                for key in ("requests_per_s", "p50_ms", "p99_ms", "server_cores")
+                if mine and all(p.get(key) is not None for p in mine)
+            }
+            row[stage]["errors"] = sum(p["errors"] for p in mine)
+            row[stage]["of_ceiling"] = round(row[stage]["requests_per_s"] / ceiling, 4)
+        base = row.get(stages[0])
+        for stage in stages[1:]:
+            mine = row[stage]
+            mine["over_first"] = round(mine["requests_per_s"] / base["requests_per_s"], 4) if base else None
+            if base and base.get("p50_ms"):
+                mine["p50_over_first"] = round(mine["p50_ms"] / base["p50_ms"], 4)
+        out[str(n)] = row
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    stages = result["stages"]
+    note = (
+        f"Closed loop, one new sentence per request, {result['duration_s']:g} s per point, median of"
+        f" {result['rounds']} rounds taken in turns; the engine alone does"
+        f" {result['ceiling']['texts_per_s']:.0f} texts/s on the same kind of texts"
+        f" (batch {result['ceiling']['best_batch']}, {result['ceiling']['best_calls_at_once']} calls side"
+        " by side)."
+    )
+    headers = ["connections"]
+    for stage in stages:
+        headers += [f"{SHORT.get(stage, stage)} req/s"]
+    headers += [f"{SHORT.get(s, s)} / {SHORT.get(stages[0], stages[0])}" for s in stages[1:]]
+    headers += [f"{SHORT.get(stages[-1], stages[-1])} of engine"]
+    rows = []
+    for n, row in result["summary"].items():
+        cells: list[str] = [n]
+        cells += [num(row[s]["requests_per_s"], 0) for s in stages]
+        cells += [f"{row[s]['over_first']:.2f}×" for s in stages[1:]]
+        cells += [f"{100 * row[stages[-1]]['of_ceiling']:.0f} %"]
+        rows.append(cells)
+    ratios = table(headers, rows, align="r" * len(headers))
+    detail_rows = []
+    for n, row in result["summary"].items():
+        for s in stages:
+            m = row[s]
+            detail_rows.append((
+                n, SHORT.get(s, s), num(m.get("p50_ms"), 1), num(m.get("p99_ms"), 1),
+                num(m.get("server_cores"), 2), m["errors"],
+            ))  # fmt: skip
+    detail = table(
+        ["connections", "stage", "p50 ms", "p99 ms", "server cores", "errors"], detail_rows, align="rlrrrr"
+    )
+    return page(result["stamp"], {"ratios": ratios, "detail": detail}, note) + "\n"
+
+
+def headline(result: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for n, row in result["summary"].items():
+        for stage in result["stages"]:
+            out[f"{n} connections: {SHORT.get(stage, stage)} req/s"] = row[stage]["requests_per_s"]
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--duration", type=float, help="Seconds measured per point (default 10).")
+    parser.add_argument("--warmup", type=float, help="Seconds of load before each point (default 2).")
+    parser.add_argument("--rounds", type=int, help="Rounds per connection count (default 3).")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument("--stages", nargs="+", default=list(STAGES))
+    parser.add_argument("--ceiling-seconds", type=float, help="Seconds per batch size for the engine.")
+    parser.add_argument("--out", type=Path, help="Folder for layers.json and .md.")
+    evidence.add_arguments(parser)
+    args = parser.parse_args(argv)
+    run = evidence.start("benchmarks.layers", args, argv)
+    args.duration = args.duration or (2.0 if args.quick else 10.0)
+    args.warmup = args.warmup or (0.5 if args.quick else 2.0)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.ceiling_seconds = args.ceiling_seconds or (0.3 if args.quick else 2.0)
+    result = {"stamp": {}, **measure(args)}
+    result["stamp"] = run.stamp()
+    out = args.out or run.results_dir
+    evidence.write_json(out / "layers.json", result)
+    evidence.write_text(out / "layers.md", markdown(result))
+    print(markdown(result))
+    print(f"wrote {out / 'layers.json'} and {out / 'layers.md'}")
+    evidence.against_reference(run, "layers.json", result, headline)
+
+
+if __name__ == "__main__":
+    main()
