@@ -13,7 +13,7 @@ provenance. The age of a result alone is never a problem: results are rerun on p
 unit such as ``ms``, ``%``, ``x``, ``req/s`` or ``MB``, or one with thousands separators) must be
 one a results file holds, at the precision it is written with. Code, inline code, snippet lines
 and HTML comments are not prose; a line that quotes a figure from elsewhere says so with
-``<!-- quoted -->``.
+``<!-- quoted -->``, and a worked example (made-up numbers) with ``<!-- example -->``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ DOCS = evidence.REPO / "docs"
 PICTURES_FROM_ELSEWHERE = {
     "dashboard.png": "tests/test_stage5_dashboard.py (stage 5's page, no figures quoted)"
 }
-QUOTED = "<!-- quoted -->"
+# A line that quotes a figure from elsewhere, or works an example, says so; its numbers are not results.
+EXEMPT = ("<!-- quoted -->", "<!-- example -->")
 
 
 # --- stale results -----------------------------------------------------------------------
@@ -104,22 +105,50 @@ def stale_evidence(results: Path = evidence.RESULTS, img: Path = evidence.IMG) -
 
 
 # --- numbers in prose --------------------------------------------------------------------
+# A one-letter or word unit needs a space before it ("45 s", not the plural in "503s").
 UNITS = (
-    r"%|×|x|ms|µs|us|s|sec|seconds?|min|minutes?|h|hours?|req/s|requests/s|texts/s|texts per second|rps"
-    r"|MB|MiB|GB|GiB|kB|KB|KiB|bytes|cores?"
+    r"\s?(?:%|×|x|ms|µs|us|MB|MiB|GB|GiB|kB|KB|KiB)"
+    r"|\s(?:s|sec|seconds?|min|minutes?|h|hours?|req/s|requests/s|texts/s|texts per second|rps|bytes|cores?)"
 )
 # A number not glued to a word (p99, int8, fp32, L6) or to a version (3.11.7, v1.2), then maybe a unit.
 NUMBER = re.compile(
     r"(?<![\w.\-/])(?P<value>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)(?!\.\d)"
-    rf"(?P<unit>\s?(?:{UNITS})(?![\w/]))?(?(unit)|(?!\w))"
+    rf"(?P<unit>(?:{UNITS})(?![\w/]))?(?(unit)|(?!\w))"
 )
 NOT_PROSE = re.compile(r"`[^`]*`|<!--.*?-->|\]\([^)]*\)|https?://\S+|<[^>]+>")
 VERSION_WORDS = re.compile(r"(?:Python|version|HTTP/|v|>=|==|~=)\s*$", re.IGNORECASE)
-SCALES = (1.0, 100.0, 0.01, 1e3, 1e-3, 1 / 60, 1 / 3600, 1e-6, 2**-20, 2**-30)
+# How a results file may hold what a chapter writes with this unit (a share as 0.92 for "92%",
+# seconds for "10 minutes", bytes for "69.3 MB"); a number without a unit must be there as it is.
+SCALES: dict[str, tuple[float, ...]] = {
+    "%": (1.0, 100.0),
+    "ms": (1.0, 1e3),
+    "µs": (1.0, 1e6, 1e3),
+    "us": (1.0, 1e6, 1e3),
+    "s": (1.0, 1e-3),
+    "sec": (1.0, 1e-3),
+    "second": (1.0, 1e-3),
+    "seconds": (1.0, 1e-3),
+    "min": (1.0, 1 / 60),
+    "minute": (1.0, 1 / 60),
+    "minutes": (1.0, 1 / 60),
+    "h": (1.0, 1 / 3600),
+    "hour": (1.0, 1 / 3600),
+    "hours": (1.0, 1 / 3600),
+    "MB": (1.0, 1e-6),
+    "GB": (1.0, 1e-9),
+    "kB": (1.0, 1e-3),
+    "KB": (1.0, 1e-3),
+    "MiB": (1.0, 2**-20),
+    "GiB": (1.0, 2**-30),
+    "KiB": (1.0, 2**-10),
+}
+LONG_LIST = 60  # per-interval and per-round series: the prose quotes their summaries, not their points
 
 
 def prose_numbers(text: str) -> Iterator[tuple[int, str, float, int]]:
-    """(line, as typed, value, decimals) of every number in ``text`` that looks like a measurement."""
+    """(line, as typed, value, decimals) of every number in ``text`` that looks like a measurement.
+
+    The unit is read back from the typed form (``unit_of``)."""
     fence = None
     for n, line in enumerate(text.splitlines(), 1):
         stripped = line.lstrip()
@@ -127,7 +156,7 @@ def prose_numbers(text: str) -> Iterator[tuple[int, str, float, int]]:
         if marker:
             fence = None if fence == marker.group(1) else (fence or marker.group(1))
             continue
-        if fence or "--8<--" in line or QUOTED in line:
+        if fence or "--8<--" in line or any(mark in line for mark in EXEMPT):
             continue
         prose = NOT_PROSE.sub(" ", line)
         for m in NUMBER.finditer(prose):
@@ -147,16 +176,16 @@ def _numbers_in(value: Any) -> Iterator[float]:
         if math.isfinite(value):
             yield float(value)
     elif isinstance(value, str):
-        for m in re.finditer(r"\d[\d,]*(?:\.\d+)?", value):
+        for m in re.finditer(r"\d[\d,_]*(?:\.\d+)?", value):
             try:
-                yield float(m.group(0).replace(",", ""))
+                yield float(m.group(0).replace(",", "").replace("_", ""))
             except ValueError:
                 continue
     elif isinstance(value, dict):
         for k, v in value.items():
             yield from _numbers_in(k)
             yield from _numbers_in(v)
-    elif isinstance(value, list):
+    elif isinstance(value, list) and len(value) <= LONG_LIST:
         for v in value:
             yield from _numbers_in(v)
 
@@ -172,17 +201,25 @@ def known_numbers(results: Path = evidence.RESULTS) -> list[float]:
     return found
 
 
+def unit_of(typed: str) -> str:
+    """The unit a prose number was typed with ("" when none)."""
+    m = NUMBER.fullmatch(typed)
+    return (m.group("unit") or "").strip() if m else ""
+
+
 class Sources:
-    """The known numbers, rounded on demand to each precision a chapter asks for."""
+    """The known numbers, rounded on demand to each precision and unit a chapter asks for."""
 
     def __init__(self, numbers: Iterable[float]) -> None:
         self.numbers = sorted(set(numbers))
-        self._rounded: dict[int, set[float]] = {}
+        self._rounded: dict[tuple[int, tuple[float, ...]], set[float]] = {}
 
-    def holds(self, value: float, decimals: int) -> bool:
-        if decimals not in self._rounded:
-            self._rounded[decimals] = {round(v * s, decimals) for v in self.numbers for s in SCALES}
-        return round(value, decimals) in self._rounded[decimals]
+    def holds(self, value: float, decimals: int, unit: str = "") -> bool:
+        scales = SCALES.get(unit, (1.0,))
+        key = (decimals, scales)
+        if key not in self._rounded:
+            self._rounded[key] = {round(v * s, decimals) for v in self.numbers for s in scales}
+        return round(value, decimals) in self._rounded[key]
 
 
 def unsourced_numbers(chapters: Iterable[Path], sources: Sources) -> list[str]:
@@ -190,7 +227,7 @@ def unsourced_numbers(chapters: Iterable[Path], sources: Sources) -> list[str]:
     problems = []
     for chapter in chapters:
         for line, typed, value, decimals in prose_numbers(chapter.read_text()):
-            if not sources.holds(value, decimals):
+            if not sources.holds(value, decimals, unit_of(typed)):
                 problems.append(f"{chapter.name}:{line}: {typed!r} is in no results file")
     return problems
 

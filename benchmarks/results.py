@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtests import evidence
+from loadtests import evidence, tables
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,7 @@ PAGES: tuple[Page, ...] = (
         "benchmarks.results:_draw_soak",
         ("soak.png",),
     ),
+    Page("pipeline.json", "pipeline.md", "benchmarks.results:markdown"),  # the pipeline's own timings
 )
 # Generated from the code, not measured: checked by content (tests/test_docs.py), not stamped,
 # since a commit stamp would make them differ from the code's rendering at every commit.
@@ -240,7 +241,32 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
-def pipeline(steps: Sequence[Step], quick: bool, record: bool, allow_dirty: bool) -> int:
+def markdown(result: dict[str, Any]) -> str:
+    """pipeline.md: how long each step of the last `make results` took (what a reader can expect)."""
+    rows = [(s["name"], s["what"], f"`{s['command']}`", _minutes(s["seconds"])) for s in result["steps"]]
+    return tables.page(
+        result["stamp"], {"steps": tables.table(["step", "what", "command", "took"], rows, "lllr")}
+    )
+
+
+def _record_timings(run: evidence.Run, done: list[dict[str, Any]]) -> Path:
+    """pipeline.json: every step's time, this run's steps replacing those of an earlier run."""
+    path = run.results_dir / "pipeline.json"
+    earlier = json.loads(path.read_text())["steps"] if path.is_file() else []
+    ran = {s["name"] for s in done}
+    order = [s.name for s in STEPS]
+    steps = sorted(
+        [s for s in earlier if s["name"] not in ran] + done,
+        key=lambda s: order.index(s["name"]) if s["name"] in order else len(order),
+    )
+    result = {"stamp": run.stamp(), "steps": steps}
+    evidence.write_json(path, result)
+    evidence.write_text(path.with_suffix(".md"), markdown(result))
+    return path
+
+
+def pipeline(steps: Sequence[Step], run: evidence.Run) -> int:
+    quick, record, allow_dirty = run.quick, run.record, run.allow_dirty
     expected = sum(s.quick_minutes if quick else s.minutes for s in steps)
     where = "docs/results/ and docs/img/" if record else "out/results/ and out/img/"
     print(
@@ -249,11 +275,14 @@ def pipeline(steps: Sequence[Step], quick: bool, record: bool, allow_dirty: bool
         flush=True,
     )
     started = time.monotonic()
+    timings: list[dict[str, Any]] = []
     for n, step in enumerate(steps, 1):
         print(f"[{n}/{len(steps)}] {step.name}: {step.what} ...", flush=True)
         t0 = time.monotonic()
-        done = subprocess.run(command(step, quick, record, allow_dirty), cwd=evidence.REPO)
-        took = _minutes(time.monotonic() - t0)
+        args = command(step, quick, record, allow_dirty)
+        done = subprocess.run(args, cwd=evidence.REPO)
+        seconds = time.monotonic() - t0
+        took = _minutes(seconds)
         if done.returncode != 0:
             print(
                 f"[{n}/{len(steps)}] {step.name}: FAILED (exit {done.returncode}) after {took};"
@@ -262,7 +291,10 @@ def pipeline(steps: Sequence[Step], quick: bool, record: bool, allow_dirty: bool
             )
             return done.returncode
         print(f"[{n}/{len(steps)}] {step.name}: done in {took}", flush=True)
+        shown = " ".join(["python", *args[1:]]).replace(str(evidence.REPO) + "/", "")
+        timings.append({"name": step.name, "what": step.what, "command": shown, "seconds": round(seconds, 1)})
     print(f"make results: {len(steps)} steps done in {_minutes(time.monotonic() - started)}", flush=True)
+    print(f"wrote {_record_timings(run, timings)}", flush=True)
     return 0
 
 
@@ -304,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Refuse a dirty tree here, before hours of measuring, not at the first step that records.
     options = argparse.Namespace(record=record, allow_dirty=args.allow_dirty, quick=args.quick)
     run = evidence.start("benchmarks.results", options, argv)
-    return pipeline(select(args.only, args.start), args.quick, run.record, args.allow_dirty)
+    return pipeline(select(args.only, args.start), run)
 
 
 if __name__ == "__main__":

@@ -178,6 +178,7 @@ class Run:
     changed: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     date: str = field(default_factory=lambda: dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+    recheck: bool = False  # look at the tree again when stamping (``start`` sets it)
 
     @property
     def command(self) -> str:
@@ -204,7 +205,16 @@ class Run:
     def stamp(
         self, server_env: Mapping[str, str] | None = None, without: Sequence[str] = ()
     ) -> dict[str, Any]:
-        """The provenance of a results file written now."""
+        """The provenance of a results file written now.
+
+        A server started late in a long run loads the code as it is then: a tree that changed
+        during the run (another commit, an edit) makes the stamp dirty too.
+        """
+        if self.recheck:
+            commit, changed = git_state()
+            moved = [f"HEAD moved to {commit[:7]} during the run"] if commit != self.commit else []
+            self.changed = sorted(set(self.changed) | set(changed)) + moved
+            self.recheck = False
         return {
             "schema": SCHEMA,
             "commit": self.commit,
@@ -231,6 +241,7 @@ def start(module: str, args: argparse.Namespace, argv: Sequence[str] | None = No
         allow_dirty=bool(getattr(args, "allow_dirty", False)),
     )
     run.commit, run.changed = git_state()
+    run.recheck = True
     if run.record and run.dirty and not run.allow_dirty:
         shown = "\n  ".join(run.changed[:10]) + ("\n  ..." if len(run.changed) > 10 else "")
         raise DirtyTree(
@@ -369,6 +380,10 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
+def _figure(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
 Headline = Callable[[dict[str, Any]], dict[str, float]]
 
 
@@ -400,9 +415,10 @@ def against_reference(
         f" ({m.get('cpu_model') or m.get('cpu', '?')}, {str(stamp.get('date', '?'))[:10]}):",
         flush=True,
     )
-    table = [(k, f"{a:,.4g}", f"{b:,.4g}", f"{r:.2f}x") for k, a, b, r in rows]
+    table = [(k, _figure(a), _figure(b), f"{r:.2f}x") for k, a, b, r in rows]
     print(tabulate(table, headers=["figure", "reference", "yours", "yours / reference"],
                    disable_numparse=True, colalign=("left", "right", "right", "right")))  # fmt: skip
+    print("(above 1: more of a rate, or a longer time, than the reference)", flush=True)
     if run.quick:
         print("(a QUICK run: the ratios are rough)", flush=True)
     return rows

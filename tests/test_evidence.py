@@ -323,7 +323,7 @@ def test_make_results_lists_every_step_in_order() -> None:
     assert names.index("model") < names.index("stage0") < names.index("stage3") < names.index("compare")
     assert names.index("compare") < names.index("soak") < names.index("settings")
     # every page the docs include, and every file generated from the code, has a step that writes it
-    written = {name for s in results.STEPS for name in s.writes}
+    written = {name for s in results.STEPS for name in s.writes} | {"pipeline.json"}  # the pipeline's own
     assert {p.json for p in results.PAGES} | set(results.FROM_CODE) == written
 
 
@@ -342,7 +342,9 @@ def test_make_results_quick_runs_the_pipeline_into_out(tmp_path: Path) -> None:
     assert "2 steps, QUICK" in lines[1] and "into out/results/ and out/img/" in lines[1]
     assert any(line.startswith("[1/2] model: done in") for line in lines)
     assert any(line.startswith("[2/2] settings: done in") for line in lines)
-    assert "2 steps done in" in lines[-1]
+    assert "2 steps done in" in lines[-2] and lines[-1].endswith("out/results/pipeline.json")
+    timings = json.loads((evidence.OUT / "results" / "pipeline.json").read_text())
+    assert {"model", "settings"} <= {s["name"] for s in timings["steps"]} and timings["stamp"]["quick"]
     assert json.loads((evidence.OUT / "results" / "model.json").read_text())["stamp"]["command"]
     assert (evidence.OUT / "results" / "settings.md").is_file()
     assert {p: p.stat().st_mtime for p in evidence.RESULTS.glob("*")} == before  # docs/ untouched
@@ -352,7 +354,7 @@ def test_a_failed_step_stops_the_pipeline_and_says_how_to_resume() -> None:
     step = results.Step(
         "broken", "a step that fails", "benchmarks.no_such_module", ("x.md",), 0, 0, stamped=False
     )
-    assert results.pipeline([step], quick=True, record=False, allow_dirty=False) != 0
+    assert results.pipeline([step], evidence.Run("benchmarks.results", ["--quick"], quick=True)) != 0
     with pytest.raises(SystemExit, match="unknown step"):
         results.select("stage3,nope", None)
     assert [s.name for s in results.select(None, "soak")] == ["soak", "settings", "metrics"]
