@@ -342,7 +342,7 @@ def test_make_results_quick_runs_the_pipeline_into_out(tmp_path: Path) -> None:
     assert "2 steps, QUICK" in lines[1] and "into out/results/ and out/img/" in lines[1]
     assert any(line.startswith("[1/2] model: done in") for line in lines)
     assert any(line.startswith("[2/2] settings: done in") for line in lines)
-    assert "2 steps done in" in lines[-2] and lines[-1].endswith("out/results/pipeline.json")
+    assert "2 of 2 steps done in" in lines[-2] and lines[-1].endswith("out/results/pipeline.json")
     timings = json.loads((evidence.OUT / "results" / "pipeline.json").read_text())
     assert {"model", "settings"} <= {s["name"] for s in timings["steps"]} and timings["stamp"]["quick"]
     assert json.loads((evidence.OUT / "results" / "model.json").read_text())["stamp"]["command"]
