@@ -9,27 +9,21 @@ exposes: a metric added, renamed or relabelled without rerunning this fails the 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
-from typing import cast
 
 from prometheus_client.core import Metric
 
-from stage3_batching.stats import BatcherStats
-from stage4_cache_backpressure.app import CacheBackend, Stage4Stats
-from stage5_metrics.dashboard import live_counters
-from stage5_metrics.metrics import PREFIX, LiveState, Metrics
+from stage5_metrics.metrics import Metrics
+from stage5_metrics.state import PREFIX, State
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "stage5_metrics.md"
 
 
 def _families() -> list[Metric]:
-    # Stage 4's and stage 3's real stats objects, empty: the reference needs names, not values.
-    stand_in = SimpleNamespace(stats=Stage4Stats(), batcher=SimpleNamespace(stats=BatcherStats()))
-    backend = cast("CacheBackend", stand_in)  # live_counters reads only these two attributes
-    live = LiveState(counters=lambda: live_counters(backend), info={"model": "m", "dimensions": "384"})
-    metrics = Metrics(live)
-    metrics.requests.observe("/v1/embed", 200, 0.01)  # labelled metrics show their labels once used
-    metrics.observe_batch(1, 8, 8, "low", 0.01, failed=False)
+    # A fresh registry: the state of a server whose model has not loaded yet (zeros), the names
+    # and labels of every metric; a labelled metric shows its labels once used.
+    metrics = Metrics()
+    metrics.state.source = lambda: State(info={"model": "m", "dimensions": "384"})
+    metrics.observe_request("/v1/embed", 200, 0.01)
     return list(metrics.registry.collect())
 
 

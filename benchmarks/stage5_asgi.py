@@ -7,7 +7,7 @@ machine. Here stage 4's and stage 5's apps run in one process, one cached reques
 in alternating blocks, timed in the process's own CPU time (``time.process_time``, which also
 counts the tokenizer's worker threads), so other programs on the machine hardly count and both
 apps see the same conditions; the difference is what stage 5's middleware, backend subclass,
-counters, window and request log add to one request.
+counters and request log add to one request (the window samples once a second, not per request).
 Request lines go to a temporary file, as they would to a container's log.
 """
 
@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from starlette.types import ASGIApp, Message
@@ -80,22 +81,33 @@ async def _lifespan(app: ASGIApp) -> tuple[asyncio.Task[None], asyncio.Queue[Mes
     return task, inbox
 
 
-def _stage5_without(part: str) -> ASGIApp:
-    """Stage 5 with one part switched off, to see where its microseconds go (measurement only)."""
-    from common.settings import get_settings
-    from stage5_metrics import app as stage5
+async def _stage5_without(part: str) -> tuple[ASGIApp, Callable[[bool], None]]:
+    """Stage 5 (started) and a switch that turns one of its parts off and on (measurement only)."""
+    from stage5_metrics.app import build_app
 
-    telemetry = stage5.Telemetry(get_settings())
-    if part == "request log":
-        telemetry.log.enabled = lambda level: False  # type: ignore[method-assign]
-    elif part == "window":
-        telemetry.window.record_request = lambda *args: None  # type: ignore[method-assign]
-    app = stage5.create_app("stage5 variant", lambda e, s: stage5.MetricsBackend(e, s, telemetry, app))
-    app.add_middleware(stage5.TelemetryMiddleware, telemetry=telemetry)
-    return app
+    app = build_app()
+    _started.append(await _lifespan(app))
+    if part == "request log":  # the logger is the process's: off only while this app's blocks run
+        requests = logging.getLogger("embedserve.requests")
+
+        def switch(off: bool) -> None:
+            requests.setLevel(logging.WARNING if off else logging.NOTSET)
+
+        return app, switch
+    metrics = app.state.backend.metrics  # "metrics": the per-request counters and histograms
+    saved = metrics.observe_request, metrics.observe_result
+
+    def switch_metrics(off: bool) -> None:
+        if off:
+            metrics.observe_request = metrics.observe_result = lambda *args: None
+        else:
+            metrics.observe_request, metrics.observe_result = saved
+
+    return app, switch_metrics
 
 
-PARTS = ("request log", "window")
+PARTS = ("request log", "metrics")
+_started: list[tuple[asyncio.Task[None], asyncio.Queue[Message]]] = []
 
 
 async def measure(blocks: int, per_block: int) -> dict[str, Any]:
@@ -103,18 +115,24 @@ async def measure(blocks: int, per_block: int) -> dict[str, Any]:
     from stage5_metrics.app import app as stage5
 
     apps: dict[str, ASGIApp] = {"stage4_cache_backpressure": stage4, "stage5_metrics": stage5}
-    apps.update({f"stage5 without {part}": _stage5_without(part) for part in PARTS})
     running = [await _lifespan(app) for app in apps.values()]
+    switches: dict[str, Callable[[bool], None]] = {}
+    for part in PARTS:
+        apps[f"stage5 without {part}"], switches[f"stage5 without {part}"] = await _stage5_without(part)
+    running += _started
     for app in apps.values():  # the first call computes, every later one is a memory-cache hit
         assert await _request(app) == 200
     times: dict[str, list[float]] = {name: [] for name in apps}
     for block in range(blocks):
         order = list(apps) if block % 2 == 0 else list(apps)[::-1]
         for name in order:
+            switch = switches.get(name, lambda off: None)
+            switch(True)
             started = time.process_time()  # this process's CPU time, every thread
             for _ in range(per_block):
                 await _request(apps[name])
             times[name].append((time.process_time() - started) / per_block * 1e6)
+            switch(False)
     for task, inbox in running:
         await inbox.put({"type": "lifespan.shutdown"})
         await asyncio.wait_for(task, 30)

@@ -1,13 +1,14 @@
 """Stage 5: the finished server. Stage 4, plus what it takes to run it: metrics, a dashboard, logs.
 
 Nothing about how a text is embedded changes; stage 4's backend does all of that. This
-stage only watches, and watching must be cheap (measured: ``make stage5-overhead``):
+stage only watches, and everything it shows comes from one Prometheus registry:
 
-* ``GET /metrics``: Prometheus text (``metrics.py``);
-* ``GET /v1/metrics`` and ``GET /v1/dashboard``: the last minute and since start, as JSON
-  (``window.py``), with the model-seconds saved by the cache and by batching (``savings.py``);
-* ``GET /dashboard``: a live page, served by the server itself, no CDN (``static/``);
-* one JSON log line per request, with its ``X-Request-ID`` (``logs.py``, ``telemetry.py``).
+* ``GET /metrics``: the registry as Prometheus text (``metrics.py``, ``state.py``);
+* ``GET /v1/metrics`` and ``GET /v1/dashboard``: the last minute and since start, as JSON,
+  from a window that samples the registry every second (``window.py``, ``views.py``), with
+  the model-seconds saved by the cache and by batching (``savings.py``);
+* ``GET /dashboard``: a live page with uPlot charts, served by the server itself (``static/``);
+* one JSON log line per request, with its ``X-Request-ID`` (``telemetry.py``, ``logs.py``).
 
     make stage5   # then open http://127.0.0.1:8000/dashboard
 """
@@ -21,70 +22,114 @@ from common.api import EmbedJob, EmbedResult, create_app
 from common.engine import Engine
 from common.settings import Settings, get_settings
 from stage3_batching.app import add_batcher_routes
+from stage3_batching.batcher import BatchRecord
 from stage4_cache_backpressure.app import CacheBackend, add_cache_routes
-from stage5_metrics.dashboard import add_telemetry_routes, live_counters
+from stage5_metrics.dashboard import add_dashboard_routes
+from stage5_metrics.logs import configure_logging, flush_logs
+from stage5_metrics.metrics import Metrics
 from stage5_metrics.savings import CostModel
-from stage5_metrics.telemetry import Telemetry, TelemetryMiddleware, record_of
+from stage5_metrics.state import State
+from stage5_metrics.telemetry import TelemetryMiddleware, record_of
+from stage5_metrics.window import Window
 
 
 # --8<-- [start:backend]
 class MetricsBackend(CacheBackend):
-    """Stage 4's backend, reporting every batch and every request to ``Telemetry``."""
+    """Stage 4's backend, counting every batch and every request's result in the registry."""
 
-    def __init__(self, engine: Engine, settings: Settings, telemetry: Telemetry, app: FastAPI) -> None:
+    def __init__(self, engine: Engine, settings: Settings, metrics: Metrics, window: Window, app: FastAPI):
         def stop_ready() -> None:
             app.state.ready = False
 
-        # NEW: the batcher tells us about each batch once, after the model call.
-        super().__init__(
-            engine, settings, on_batch=telemetry.on_batch, on_drain=stop_ready, drain_on_signal=True
-        )
-        self.telemetry = telemetry
-        live = telemetry.live  # NEW: read at scrape time only
-        live.queue_depth = lambda: self.batcher.queue_depth
-        live.in_flight = lambda: self.batcher.in_flight
-        live.tier = lambda: self.batcher.tier(self.batcher.queue_depth)
-        live.counters = lambda: live_counters(self)
-        live.info = {"model": engine.model_name, "dimensions": str(engine.dimensions)}
+        # NEW: the batcher reports each batch once, after the model call.
+        super().__init__(engine, settings, on_batch=self.on_batch, on_drain=stop_ready, drain_on_signal=True)
+        self.metrics, self.window = metrics, window
+        self.cost: CostModel | None = None  # NEW: the savings baseline, measured at start
+        metrics.state.source = self.state  # NEW: stages 3 and 4's own counts, read when collected
 
     async def start(self) -> None:
         await super().start()
         # NEW: time the model on lone texts once, the baseline of the savings estimate.
-        self.telemetry.cost = await run_in_threadpool(CostModel.measure, self.engine)
+        self.cost = await run_in_threadpool(CostModel.measure, self.engine)
+        self.window.start()  # NEW: sample the registry every second
 
     async def close(self) -> None:
         await super().close()
-        self.telemetry.log.flush()  # NEW: the last request lines
+        await self.window.stop()
+        flush_logs()  # NEW: the last request lines, before a SIGTERM ends the process
 
     async def embed(self, job: EmbedJob) -> EmbedResult:
-        record = record_of(job.request.scope) if job.request is not None else None
-        if record is None:
-            return await super().embed(job)
-        # NEW: the text count first, so a 503 or 504 is logged with it too.
-        record.texts = len(job.texts)
+        record = record_of(job.request)
+        if record is not None:  # NEW: the text count first, so a 503 or 504 is logged with it too
+            record.texts = len(job.texts)
         result = await super().embed(job)
-        record.tokens = sum(result.n_tokens)
-        record.queue_ms = result.queue_ms
-        record.inference_ms = result.inference_ms
-        if result.cache_hits is not None and not result.cache_bypassed:
-            record.cache_hits = result.cache_hits
-            record.cache_misses = len(job.texts) - result.cache_hits
-            cost = self.telemetry.cost
-            if record.cache_hits and cost is not None:
-                record.saved_cache_ms = record.cache_hits * cost.alone_ms(record.tokens / record.texts)
+        # NEW: count the typed result: texts, tokens, queue time, cache hits and what they saved.
+        n, tokens = len(job.texts), sum(result.n_tokens)
+        hits = result.cache_hits if result.cache_hits is not None and not result.cache_bypassed else None
+        saved_ms = hits * self.cost.alone_ms(tokens / n) if hits and self.cost is not None else 0.0
+        queue_s = None if result.queue_ms is None else result.queue_ms / 1e3
+        self.metrics.observe_result(n, tokens, queue_s, saved_ms / 1e3)
+        if record is not None:  # NEW: and what the request's log line says
+            record.tokens, record.queue_ms, record.inference_ms = tokens, result.queue_ms, result.inference_ms
+            if hits is not None:
+                record.cache_hits, record.cache_misses = hits, n - hits
         return result
 
+    # --8<-- [end:backend]
 
-# --8<-- [end:backend]
+    # --8<-- [start:on_batch]
+    def on_batch(self, batch: BatchRecord) -> None:
+        """Called by stage 3's batcher after each model call: once per batch, not per text."""
+        failed = batch.error is not None
+        saved_ms = 0.0
+        if self.cost is not None and not failed:
+            saved_ms = self.cost.batch_saved_ms(batch.size, batch.real_tokens, batch.inference_ms)
+        self.metrics.observe_batch(
+            batch.size, batch.padded_tokens, batch.real_tokens, batch.tier, batch.inference_ms / 1e3, failed,
+            saved_ms / 1e3,
+        )  # fmt: skip
+
+    # --8<-- [end:on_batch]
+
+    # --8<-- [start:state]
+    def state(self) -> State:
+        """What stages 3 and 4 count themselves, as the registry exports it (every name stage 5 reads)."""
+        s, depth = self.stats.as_dict(), self.batcher.queue_depth  # s: /v1/cache/metrics' counters
+        cache = s["cache"]
+        return State(
+            queue_depth=depth,
+            in_flight=self.batcher.in_flight,
+            tier=self.batcher.tier(depth),
+            active=s["active"],
+            max_queue=self.settings.max_queue,
+            cache_hits=cache["hits"],
+            cache_misses=cache["misses"],
+            cache_errors=cache["errors"] or {"timeout": 0},
+            cache_evictions=cache["evictions"],
+            cache_expirations=cache["expirations"],
+            deduplicated=s["deduplicated"],
+            rejected={
+                "overload": s["rejected"],
+                "deadline": s["deadline_exceeded"],
+                "disconnect": s["disconnects"],
+            },
+            dropped_texts=self.batcher.stats.as_dict()["skipped_texts"],  # /v1/batcher/metrics' count
+            info={"model": self.engine.model_name, "dimensions": str(self.engine.dimensions)},
+        )
+
+    # --8<-- [end:state]
 
 
 # --8<-- [start:app]
 def build_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
-    telemetry = Telemetry(settings)  # NEW: one registry, one window and the request log per app
+    # NEW: JSON lines for ours and uvicorn's (uvicorn sets up its loggers before it imports the app).
+    configure_logging(settings)
+    metrics = Metrics()  # NEW: one registry per app, the one counting system
+    window = Window(metrics)  # NEW: its values every second, for the JSON views and the page
 
     def make_backend(engine: Engine, s: Settings) -> MetricsBackend:
-        return MetricsBackend(engine, s, telemetry, app)
+        return MetricsBackend(engine, s, metrics, window, app)
 
     app = create_app(
         "stage5_metrics",
@@ -95,8 +140,8 @@ def build_app(settings: Settings | None = None) -> FastAPI:
     )
     add_batcher_routes(app)
     add_cache_routes(app)
-    add_telemetry_routes(app, telemetry)  # NEW: /metrics, /v1/metrics, /v1/dashboard, /dashboard
-    app.add_middleware(TelemetryMiddleware, telemetry=telemetry)  # NEW: outermost, sees every answer
+    add_dashboard_routes(app, metrics, window)  # NEW: /metrics, /v1/metrics, /v1/dashboard, /dashboard
+    app.add_middleware(TelemetryMiddleware, metrics=metrics)  # NEW: outermost, so it sees every answer
     return app
 
 

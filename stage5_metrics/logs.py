@@ -1,68 +1,64 @@
-"""Structured logs: one line per request, JSON (for machines) or key=value text (for people).
+"""Logs: one line per request and uvicorn's own lines, JSON (for machines) or text (for people).
 
-LOG_FORMAT picks the format and LOG_LEVEL the level. The request line carries counts and
-timings only: the texts themselves never reach a log, and neither do headers or keys.
+Everything goes through the standard ``logging`` machinery. LOG_FORMAT picks the formatter
+(python-json-logger's, or ``key=value`` text) and LOG_LEVEL the level. The request line
+carries ids, counts and timings only (``log_request``): the texts never reach a log, and
+neither do headers or keys.
 
-Every ``embedserve.*`` logger goes through ``logging`` with the formatters below. The request
-line, written once per request, takes a shorter way (``RequestLog``): building a
-``LogRecord`` (process and thread names, caller lookup, handler locks) and one system call
-per line cost several times more than the rest of a cached request's bookkeeping. It writes
-the same line to the same stream, and honours the same level.
+Writing to stderr can block (a full pipe, a slow log shipper), so the ``embedserve.*`` lines
+go through a ``QueueHandler``: the event loop only puts the record on a queue, and a
+``QueueListener`` thread formats and writes it. uvicorn configures its loggers before it
+imports the app, so ``configure_logging``, called when the app is built, gives uvicorn's
+lines ("Started server process", "Uvicorn running on", errors) the same format; they are few,
+so they are written directly.
 """
 
 from __future__ import annotations
 
-import asyncio
+import atexit
 import logging
+import queue
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, TextIO
+from logging.handlers import QueueHandler, QueueListener
+from typing import Any
 
-import orjson
+from pythonjsonlogger.core import RESERVED_ATTRS
+from pythonjsonlogger.orjson import OrjsonFormatter
 
 from common.settings import Settings
 
 REQUEST_LOGGER = "embedserve.requests"
+_SKIP = {*RESERVED_ATTRS, "color_message"}  # uvicorn adds an ANSI-coloured copy of its message
 
 
-class _Clock:
-    """ISO 8601 UTC timestamps to the millisecond; the seconds part is formatted once a second."""
-
-    def __init__(self) -> None:
-        self._second = -1
-        self._prefix = ""
-
-    def stamp(self, now: float) -> str:
-        second = int(now)
-        if second != self._second:
-            self._second, self._prefix = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        return f"{self._prefix}.{int((now - second) * 1000):03d}Z"
-
-
-_clock = _Clock()
-_LEVELS = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warning", logging.ERROR: "error"}
-
-
-def _line(level: str, logger: str, msg: str, fields: dict[str, Any], created: float) -> dict[str, Any]:
-    return {"ts": _clock.stamp(created), "level": level, "logger": logger, "msg": msg, **fields}
-
-
-def _text(level: str, msg: str, fields: dict[str, Any], created: float) -> str:
-    pairs = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
-    return f"{_clock.stamp(created)} {level.upper()} {msg} {pairs}".rstrip()
+def _utc(seconds: float | None) -> time.struct_time:
+    return time.gmtime(seconds)
 
 
 # --8<-- [start:json]
-class JsonFormatter(logging.Formatter):
+class JsonFormatter(OrjsonFormatter):
     """``{"ts": ..., "level": ..., "logger": ..., "msg": ..., <fields>}`` on one line."""
 
-    def format(self, record: logging.LogRecord) -> str:
-        fields = dict(getattr(record, "fields", {}))
-        if record.exc_info:
-            fields["exc"] = self.formatException(record.exc_info)
-        line = _line(record.levelname.lower(), record.name, record.getMessage(), fields, record.created)
-        return orjson.dumps(line).decode()
+    converter = staticmethod(_utc)  # to the millisecond: 2026-12-01T09:30:00.123Z
+    default_time_format, default_msec_format = "%Y-%m-%dT%H:%M:%S", "%s.%03dZ"
+
+    def __init__(self) -> None:
+        renames = {
+            "asctime": "ts",
+            "levelname": "level",
+            "name": "logger",
+            "message": "msg",
+            "exc_info": "exc",
+        }
+        super().__init__(
+            "%(asctime)s %(levelname)s %(name)s %(message)s", rename_fields=renames, reserved_attrs=_SKIP
+        )
+
+    def process_log_record(self, log_data: dict[str, Any]) -> dict[str, Any]:
+        log_data["level"] = log_data["level"].lower()
+        return log_data
 
 
 # --8<-- [end:json]
@@ -71,25 +67,64 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     """``<ts> INFO request request_id=... route=/v1/embed status=200 ...``"""
 
+    converter = staticmethod(_utc)
+    default_time_format, default_msec_format = JsonFormatter.default_time_format, "%s.%03dZ"
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(message)s")
+
     def format(self, record: logging.LogRecord) -> str:
-        text = _text(record.levelname, record.getMessage(), getattr(record, "fields", {}), record.created)
+        fields = {k: v for k, v in record.__dict__.items() if k not in _SKIP and not k.startswith("_")}
+        pairs = "".join(f" {k}={'null' if v is None else v}" for k, v in fields.items())
+        text = super().format(record)
+        head, newline, trace = text.partition("\n")  # an exception's traceback goes after the fields
+        return head + pairs + newline + trace
+
+
+class _Queued(QueueHandler):
+    """Puts records on a queue; a listener thread formats them and writes them to ``target``."""
+
+    def __init__(self, target: logging.Handler) -> None:
+        super().__init__(queue.SimpleQueue())
+        self.target = target
+        self.listener = QueueListener(self.queue, target)
+        self.listener.start()
+        atexit.register(self.listener.stop)  # the lines still queued when the process ends
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        # The default turns the record into one preformatted string; the listener formats it instead.
+        record.msg, record.args = record.getMessage(), None
         if record.exc_info:
-            text += "\n" + self.formatException(record.exc_info)
-        return text
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+            record.exc_info = None
+        return record
 
 
-def configure_logging(settings: Settings) -> logging.StreamHandler[TextIO]:
-    """Send every ``embedserve.*`` logger to stderr in the configured format (idempotent)."""
-    root = logging.getLogger("embedserve")
-    handler = next((h for h in root.handlers if getattr(h, "_embedserve", False)), None)
-    if not isinstance(handler, logging.StreamHandler):
-        handler = logging.StreamHandler(sys.stderr)
-        handler._embedserve = True  # type: ignore[attr-defined]
-        root.addHandler(handler)
-    handler.setFormatter(JsonFormatter() if settings.log_format == "json" else TextFormatter())
-    root.setLevel(settings.log_level)
-    root.propagate = False
-    return handler
+def configure_logging(settings: Settings) -> None:
+    """Send ``embedserve.*`` and ``uvicorn*`` lines to stderr in the configured format (idempotent)."""
+    # The logging HOWTO's "Optimization": no line shows the thread or the process, so no record
+    # looks them up (about 5 us less per request line, measured by benchmarks/stage5_asgi.py).
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+    ours = logging.getLogger("embedserve")
+    queued = next((h for h in ours.handlers if isinstance(h, _Queued)), None)
+    if queued is None:
+        queued = _Queued(logging.StreamHandler(sys.stderr))
+        ours.addHandler(queued)
+    queued.target.setFormatter(JsonFormatter() if settings.log_format == "json" else TextFormatter())
+    ours.setLevel(settings.log_level)
+    ours.propagate = False
+    for name in ("uvicorn", "uvicorn.access"):  # uvicorn.error propagates to uvicorn
+        logger = logging.getLogger(name)
+        if logger.handlers:  # none on uvicorn.access: the access log is off (common/serve.py)
+            logger.handlers = [queued.target]
+
+
+def flush_logs() -> None:
+    """Write every queued line now: after a SIGTERM, uvicorn ends the process by that signal."""
+    for handler in logging.getLogger("embedserve").handlers:
+        if isinstance(handler, _Queued):
+            handler.listener.stop()  # writes what is queued, then stops
+            handler.listener.start()  # and goes on for any later line
 
 
 @dataclass(slots=True)
@@ -103,72 +138,26 @@ class RequestRecord:
     cache_misses: int = 0
     queue_ms: float | None = None
     inference_ms: float | None = None
-    saved_cache_ms: float = 0.0
-
-
-def _ms(value: float | None) -> str:
-    return "null" if value is None else f"{value:.3f}"
 
 
 # --8<-- [start:request_log]
-class RequestLog:
-    """The one line per request, in the configured format, written in batches of lines.
+_requests = logging.getLogger(REQUEST_LOGGER)
 
-    One ``write`` system call per line would cost more than all the counting together; the
-    lines wait at most ``FLUSH_S`` and go out in one write (always whole lines), and the
-    backend flushes what is left when the server stops.
-    """
 
-    FLUSH_S = 0.05
-
-    def __init__(self, settings: Settings) -> None:
-        self.handler = configure_logging(settings)
-        self.logger = logging.getLogger(REQUEST_LOGGER)
-        self.json = settings.log_format == "json"
-        self._pending: list[str] = []
-        self._timer: asyncio.TimerHandle | None = None
-
-    def enabled(self, level: int) -> bool:
-        return self.logger.isEnabledFor(level)  # cached by logging: about a dict lookup
-
-    def write(
-        self, level: int, method: str, route: str, status: int, r: RequestRecord, total_ms: float
-    ) -> None:
-        name = _LEVELS.get(level) or logging.getLevelName(level).lower()
-        ts = _clock.stamp(time.time())
-        if not method.isalpha():  # HTTP allows odd tokens; keep the line valid JSON whatever comes
-            method = "OTHER"
-        queue, inference = _ms(r.queue_ms), _ms(r.inference_ms)
-        if self.json:
-            # Formatted by hand: every value is a number, null or a checked string (the request id
-            # matched a strict pattern, the route is a template); the same keys as JsonFormatter.
-            line = (
-                f'{{"ts":"{ts}","level":"{name}","logger":"{REQUEST_LOGGER}","msg":"request",'
-                f'"request_id":"{r.request_id}","method":"{method}","route":"{route}","status":{status},'
-                f'"texts":{r.texts},"tokens":{r.tokens},"cache_hits":{r.cache_hits},'
-                f'"cache_misses":{r.cache_misses},"queue_ms":{queue},"inference_ms":{inference},'
-                f'"total_ms":{total_ms:.3f}}}'
-            )
-        else:
-            line = (
-                f"{ts} {name.upper()} request request_id={r.request_id} method={method} route={route} "
-                f"status={status} texts={r.texts} tokens={r.tokens} cache_hits={r.cache_hits} "
-                f"cache_misses={r.cache_misses} queue_ms={queue} inference_ms={inference} "
-                f"total_ms={total_ms:.3f}"
-            )
-        self._pending.append(line)
-        if self._timer is None:
-            try:
-                self._timer = asyncio.get_running_loop().call_later(self.FLUSH_S, self.flush)
-            except RuntimeError:  # no event loop (a script, a test): write now
-                self.flush()
-
-    def flush(self) -> None:
-        self._timer = None
-        if self._pending:
-            lines, self._pending = self._pending, []
-            self.handler.stream.write("\n".join(lines) + "\n")
-            self.handler.stream.flush()
+def log_request(level: int, method: str, route: str, status: int, r: RequestRecord, total_ms: float) -> None:
+    """The one line per request: its id, counts and timings, never a text."""
+    if not _requests.isEnabledFor(level):  # LOG_LEVEL=WARNING: no record is even built
+        return
+    fields = {
+        "request_id": r.request_id, "method": method, "route": route, "status": status,
+        "texts": r.texts, "tokens": r.tokens, "cache_hits": r.cache_hits, "cache_misses": r.cache_misses,
+        "queue_ms": _ms(r.queue_ms), "inference_ms": _ms(r.inference_ms), "total_ms": _ms(total_ms),
+    }  # fmt: skip
+    _requests.log(level, "request", extra=fields)
 
 
 # --8<-- [end:request_log]
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)

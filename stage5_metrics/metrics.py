@@ -1,23 +1,21 @@
-"""The Prometheus metrics of the server, served as text at ``GET /metrics``.
+"""The one counting system: a Prometheus registry per app, served as text at ``GET /metrics``.
+
+Every figure stage 5 shows comes from this registry: ``/metrics`` renders it for Prometheus,
+and ``window.py`` samples it every second for ``/v1/metrics``, ``/v1/dashboard`` and the page.
 
 Every name starts with ``embedserve_`` and ends with its unit. Labels take a handful of
 values each (route templates, status codes, three tiers, two cache tiers): never a text, a
 request id or a client address, which would make a new time series per request.
 
-Two kinds of metric, two costs:
-
-* events the server sees are counted when they happen: once per request in plain integers
-  (``RequestCounters``), once per batch in prometheus-client's own metrics, never per text;
-* state the earlier stages already keep (queue depth, in-flight batches, stage 4's cache and
-  rejection counters) is read only when Prometheus scrapes, by ``LiveCollector``: no work at
-  all on the request path.
+Events are counted when they happen, with prometheus-client's ``Counter`` and ``Histogram``:
+once per request and once per batch, never once per text. State the earlier stages keep
+anyway is read only when collected (``state.py``).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from typing import TypeVar
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -25,206 +23,135 @@ from prometheus_client import (
     PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-PREFIX = "embedserve"
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from stage5_metrics.state import PREFIX, TIERS, StateCollector
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+T = TypeVar("T", bound=Collector)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+EMBED_ROUTES = frozenset({"/v1/embed", "/v1/embeddings"})  # the traffic the JSON views count
+STATIC_ROUTE = "/dashboard/static"  # the page's files: one label for all of them
+
+# Latency buckets about 1.5x apart, so the dashboard's percentiles (interpolated inside a
+# bucket, as Prometheus' histogram_quantile does) come out within a fraction of a bucket.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02,
+                   0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)  # fmt: skip
 _QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _INFERENCE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# One bucket per size up to 32 (MAX_BATCH_SIZE's default), so the size chart shows each size.
+_SIZE_BUCKETS = (*range(1, 33), 48, 64, 128, 256)
 _TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-
-
-@dataclass
-class LiveState:
-    """What ``LiveCollector`` reads at scrape time; the app fills in the functions."""
-
-    queue_depth: Callable[[], int] = lambda: 0
-    in_flight: Callable[[], int] = lambda: 0
-    tier: Callable[[], str] = lambda: "low"
-    # name -> (help, label name or "", {label value or "": count}); from stage 4's stats
-    counters: Callable[[], dict[str, tuple[str, str, dict[str, float]]]] = dict
-    info: dict[str, str] = field(default_factory=dict)
-
-
-class LiveCollector(Collector):
-    """Gauges and counters computed when scraped, from state the server keeps anyway."""
-
-    def __init__(self, state: LiveState) -> None:
-        self.state = state
-
-    def collect(self) -> Iterator[Metric]:
-        s = self.state
-        yield GaugeMetricFamily(
-            f"{PREFIX}_queue_depth_texts", "Texts waiting for the model now.", value=s.queue_depth()
-        )
-        yield GaugeMetricFamily(
-            f"{PREFIX}_batches_in_flight", "Batches inside the model now.", value=s.in_flight()
-        )
-        tier = GaugeMetricFamily(
-            f"{PREFIX}_load_tier", "The batcher's load tier now (1 for the current one).", labels=["tier"]
-        )
-        current = s.tier()
-        for name in ("low", "medium", "high"):
-            tier.add_metric([name], 1.0 if name == current else 0.0)
-        yield tier
-        for name, (help_text, label, values) in s.counters().items():
-            family = CounterMetricFamily(f"{PREFIX}_{name}", help_text, labels=[label] if label else None)
-            for value_label, value in values.items():
-                family.add_metric([value_label] if label else [], value)
-            yield family
-        if s.info:
-            info = GaugeMetricFamily(
-                f"{PREFIX}_model_info", "The served model (always 1).", labels=list(s.info)
-            )
-            info.add_metric(list(s.info.values()), 1.0)
-            yield info
-
-
-# --8<-- [start:requests]
-class RequestCounters(Collector):
-    """Per-request counters as plain integers, exposed when Prometheus scrapes.
-
-    prometheus-client's ``Counter`` and ``Histogram`` take a lock on every update (they must be
-    thread safe); per request, five of those cost more than a cache hit's whole answer. Here
-    only the event loop's thread writes, and ``/metrics`` is read on that same thread, so plain
-    integers are safe: an update is a dict lookup and an addition.
-    """
-
-    def __init__(self) -> None:
-        self.requests: dict[tuple[str, int], int] = {}
-        self.latency: dict[str, list[int]] = {}  # route -> count per bucket, +Inf last
-        self.latency_sum: dict[str, float] = {}
-        self.queue = [0] * (len(_QUEUE_BUCKETS) + 1)
-        self.queue_sum = 0.0
-        self.texts = 0
-        self.tokens = 0
-
-    def observe(
-        self,
-        route: str,
-        status: int,
-        seconds: float,
-        texts: int = 0,
-        tokens: int = 0,
-        queue_s: float | None = None,
-    ) -> None:
-        """One answered request; ``texts``, ``tokens`` and ``queue_s`` for the embedding routes."""
-        self.texts += texts
-        self.tokens += tokens
-        if queue_s is not None:
-            self.queue[bisect_left(_QUEUE_BUCKETS, queue_s)] += 1
-            self.queue_sum += queue_s
-        key = (route, status)
-        self.requests[key] = self.requests.get(key, 0) + 1
-        counts = self.latency.get(route)
-        if counts is None:
-            counts = self.latency[route] = [0] * (len(_LATENCY_BUCKETS) + 1)
-            self.latency_sum[route] = 0.0
-        counts[bisect_left(_LATENCY_BUCKETS, seconds)] += 1  # le: the first bound >= seconds
-        self.latency_sum[route] += seconds
-
-    def collect(self) -> Iterator[Metric]:
-        requests = CounterMetricFamily(
-            f"{PREFIX}_requests",
-            "HTTP requests answered, by route and status code.",
-            labels=["route", "status"],
-        )
-        for (route, status), n in sorted(self.requests.items()):
-            requests.add_metric([route, str(status)], n)
-        yield requests
-        yield CounterMetricFamily(f"{PREFIX}_texts", "Texts embedded (in requests answered 200).", self.texts)
-        yield CounterMetricFamily(
-            f"{PREFIX}_tokens", "Tokens embedded, special tokens included.", self.tokens
-        )
-        latency = HistogramMetricFamily(
-            f"{PREFIX}_request_duration_seconds", "Time from request to response, by route.", labels=["route"]
-        )
-        for route, counts in sorted(self.latency.items()):
-            latency.add_metric([route], _cumulative(_LATENCY_BUCKETS, counts), self.latency_sum[route])
-        yield latency
-        queue = HistogramMetricFamily(
-            f"{PREFIX}_queue_wait_seconds",
-            "Time a request's texts waited for the model (requests that reached it).",
-        )
-        queue.add_metric([], _cumulative(_QUEUE_BUCKETS, self.queue), self.queue_sum)
-        yield queue
-
-
-def _cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
-    out: list[tuple[str, float]] = []
-    running = 0
-    for bound, n in zip((*bounds, float("inf")), counts, strict=True):
-        running += n
-        out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
-    return out
-
-
-# --8<-- [end:requests]
 
 
 # --8<-- [start:metrics]
 class Metrics:
     """One registry per app (no global state, so tests can build many apps in one process)."""
 
-    def __init__(self, live: LiveState) -> None:
+    def __init__(self) -> None:
         # The `_created` twin of every counter doubles the series and Prometheus does not need it.
         disable_created_metrics()
         r = self.registry = CollectorRegistry()
         for default in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             r.register(default)  # process_*, python_info, python_gc_*: the client's defaults
-        r.register(LiveCollector(live))
-        self.requests = RequestCounters()  # once per request: plain integers
-        r.register(self.requests)
-        # Once per batch: prometheus-client's own metrics, whose lock costs nothing at this rate.
-        self.inference = Histogram(
-            f"{PREFIX}_batch_inference_seconds",
-            "Model time per batch.",
-            buckets=_INFERENCE_BUCKETS,
-            registry=r,
+        self.state = StateCollector()
+        r.register(self.state)
+
+        self._own: list[Collector] = [self.state]  # what the window samples
+
+        def own(metric: T) -> T:
+            self._own.append(metric)
+            return metric
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return own(Counter(f"{PREFIX}_{name}", doc, labels, registry=r))
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
+            return own(Histogram(f"{PREFIX}_{name}", doc, labels, buckets=buckets, registry=r))
+
+        # Once per request, by the middleware.
+        self.requests = counter(
+            "requests", "HTTP requests answered, by route and status code.", "route", "status"
         )
-        self.batch_size = Histogram(
-            f"{PREFIX}_batch_size_texts", "Texts per batch.", buckets=_SIZE_BUCKETS, registry=r
+        self.duration = histogram(
+            "request_duration_seconds", "Time from request to response, by route.", LATENCY_BUCKETS, "route"
         )
-        self.batch_tokens = Histogram(
-            f"{PREFIX}_batch_tokens",
-            "Padded tokens per batch (rows x longest row).",
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
+        # Once per embedding request, from the backend's typed result.
+        self.texts = counter("texts", "Texts embedded (in requests answered 200).")
+        self.tokens = counter("tokens", "Tokens embedded, special tokens included.")
+        self.queue_wait = histogram(
+            "queue_wait_seconds",
+            "Time a request's texts waited for the model (requests that reached it).",
+            _QUEUE_BUCKETS,
         )
-        self.padding = Histogram(
-            f"{PREFIX}_batch_padding_ratio",
-            "Share of a batch's tokens that are padding.",
-            buckets=_RATIO_BUCKETS,
-            registry=r,
+        # Once per batch, from stage 3's batch record.
+        self.batches = counter("batches", "Batches run, by the load tier that formed them.", "tier")
+        self.batch_errors = counter("batch_errors", "Batches whose model call raised.")
+        self.batch_size = histogram("batch_size_texts", "Texts per batch.", _SIZE_BUCKETS)
+        self.batch_tokens = histogram(
+            "batch_tokens", "Padded tokens per batch (rows x longest row).", _TOKEN_BUCKETS
         )
-        self.batches = Counter(
-            f"{PREFIX}_batches", "Batches run, by the load tier that formed them.", ["tier"], registry=r
+        self.padding = histogram(
+            "batch_padding_ratio", "Share of a batch's tokens that are padding.", _RATIO_BUCKETS
         )
-        self.batch_errors = Counter(f"{PREFIX}_batch_errors", "Batches whose model call raised.", registry=r)
+        self.padding_tokens = counter(
+            "batch_padding_tokens", "Padding tokens the model computed, summed over batches."
+        )
+        self.inference = histogram("batch_inference_seconds", "Model time per batch.", _INFERENCE_BUCKETS)
+        # A gauge, not a counter: a batch whose padding cost more than lone calls saves less than 0.
+        self.saved = own(
+            Gauge(
+                f"{PREFIX}_model_saved_seconds",
+                "Model time saved so far, against running every text alone (an estimate), by what saved it.",
+                ["by"],
+                registry=r,
+            )
+        )
+        for tier in TIERS:  # known label values start at 0, so a rate over them starts at once
+            self.batches.labels(tier)
+        for by in ("cache", "batching"):
+            self.saved.labels(by)
+
+    # --8<-- [end:metrics]
+
+    # --8<-- [start:requests]
+    def observe_request(self, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, status).inc()
+        self.duration.labels(route).observe(seconds)
+
+    def observe_result(self, texts: int, tokens: int, queue_s: float | None, saved_by_cache_s: float) -> None:
+        self.texts.inc(texts)
+        self.tokens.inc(tokens)
+        if queue_s is not None:  # None: the request never reached the queue (all cache hits)
+            self.queue_wait.observe(queue_s)
+        if saved_by_cache_s:
+            self.saved.labels("cache").inc(saved_by_cache_s)
+
+    # --8<-- [end:requests]
 
     def observe_batch(
-        self, size: int, padded: int, real: int, tier: str, seconds: float, failed: bool
+        self, size: int, padded: int, real: int, tier: str, seconds: float, failed: bool, saved_s: float
     ) -> None:
         self.batches.labels(tier).inc()
         if failed:
             self.batch_errors.inc()
-            return
         self.batch_size.observe(size)
         self.batch_tokens.observe(padded)
         self.padding.observe((padded - real) / padded if padded else 0.0)
+        self.padding_tokens.inc(padded - real)
         self.inference.observe(seconds)
+        self.saved.labels("batching").inc(saved_s)
+
+    def own_families(self) -> Iterator[Metric]:
+        """This app's ``embedserve_*`` families only (not the process collectors): what the window samples."""
+        for collector in self._own:
+            yield from collector.collect()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-
-
-# --8<-- [end:metrics]

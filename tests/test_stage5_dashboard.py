@@ -1,37 +1,28 @@
 """The live dashboard in a real headless Chromium (Debian's, driven by Playwright; `make browser`).
 
-The page loads with empty charts, fills them once traffic arrives, and the test saves the
-screenshot the stage 5 chapter shows (docs/img/dashboard.png).
+The page draws its charts (uPlot, served by the server) from the first answer, fills them as
+traffic arrives, draws a pause in traffic as zero, leaves no hole in its grid and wraps no
+table cell. The chapter's screenshot is taken by ``benchmarks/stage5_screenshot.py`` after a
+minute of traffic; this test saves its own picture in a temporary folder only.
 """
 
 from __future__ import annotations
 
-import asyncio
-import random
 import shutil
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-from conftest import REPO, Server, run_server
-from playwright.sync_api import Page, sync_playwright
+from conftest import Server, run_server
+from playwright.sync_api import Browser, Page, sync_playwright
 
-from stage0_script import corpus
+from benchmarks.stage5_screenshot import CHROMIUM, CHROMIUM_ARGS, traffic
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 CHARTS = ("c-throughput", "c-latency", "c-hits", "c-batches", "c-queue", "c-tiers", "c-savings")
-SCREENSHOT = REPO / "docs" / "img" / "dashboard.png"
+TIME_CHARTS = tuple(c for c in CHARTS if c != "c-batches")  # x is time; batches: x is the size
 
 
 @pytest.fixture(scope="module")
@@ -41,91 +32,157 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def page() -> Iterator[Page]:
+def browser() -> Iterator[Browser]:
     assert Path(CHROMIUM).exists() or shutil.which("chromium"), "Chromium is missing: run `make browser`"
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield browser.new_page(viewport={"width": 1400, "height": 1000})
-        browser.close()
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
 
 
-async def _traffic(url: str, seconds: float, clients: int) -> int:
-    """Closed-loop clients: mostly new sentences, some repeats (cache hits), 1-6 texts a request."""
-    rng = random.Random(5)
-    fresh = corpus.stream(seed=int(time.time()), kind="sentence")
-    popular = corpus.texts(12, seed=77, kind="sentence")
-    until = time.monotonic() + seconds
-    sent = 0
+class Watched:
+    """A page, with every browser-side error and every URL it fetched."""
 
-    async def client(c: httpx.AsyncClient) -> None:
-        nonlocal sent
-        while time.monotonic() < until:
-            n = rng.randint(1, 6)
-            texts = [rng.choice(popular) if rng.random() < 0.3 else next(fresh) for _ in range(n)]
-            assert (await c.post("/v1/embed", json={"inputs": texts})).status_code == 200
-            sent += 1
+    def __init__(self, browser: Browser) -> None:
+        self.page: Page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        self.errors: list[str] = []
+        self.urls: list[str] = []
+        self.page.on("pageerror", lambda exc: self.errors.append(str(exc)))
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("request", lambda r: self.urls.append(r.url))
 
-    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-        await asyncio.gather(*(client(c) for _ in range(clients)))
-    return sent
+    def open(self, url: str) -> None:
+        self.page.goto(f"{url}/dashboard")
+        self.page.wait_for_function(
+            "document.getElementById('status').textContent === 'live'", timeout=15_000
+        )
+
+    def points(self) -> dict[str, int]:
+        found = self.page.eval_on_selector_all(".chart", "els => els.map(e => [e.id, e.dataset.points])")
+        return {chart_id: int(n) for chart_id, n in found}
+
+    def data(self, chart: str) -> list[list[Any]]:
+        """What uPlot draws: x, then one array per series."""
+        return list(self.page.evaluate(f"window.charts[{chart!r}].data"))
+
+    def renders(self) -> int:
+        return int(self.page.evaluate("Number(document.body.dataset.renders || 0)"))
+
+    def wait_for_render(self, after: int) -> None:
+        self.page.wait_for_function(f"Number(document.body.dataset.renders || 0) > {after}", timeout=10_000)
 
 
-def traffic(url: str, seconds: float, clients: int) -> int:
-    # Playwright's sync API keeps an event loop on this thread: the load runs on its own.
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, _traffic(url, seconds, clients)).result()
+@pytest.fixture(scope="module")
+def watched(browser: Browser, server: Server) -> Iterator[Watched]:
+    w = Watched(browser)
+    w.open(server.url)
+    yield w
+    w.page.close()
 
 
-def _points(page: Page) -> dict[str, int]:
-    found = page.eval_on_selector_all(".chart", "els => els.map(e => [e.id, e.dataset.points || '-1'])")
-    return {chart_id: int(n) for chart_id, n in found}
+def test_an_idle_server_draws_empty_charts_at_once(watched: Watched) -> None:
+    assert watched.page.title() == "embedserve dashboard"
+    assert watched.page.locator(".chart canvas").count() == len(CHARTS)  # axes and all, from the start
+    assert watched.points() == dict.fromkeys(CHARTS, 0)  # no traffic yet: every point is a zero
+    for chart in TIME_CHARTS:
+        series = watched.data(chart)
+        assert len(series[0]) >= 1 and all(v == 0 for s in series[1:] for v in s)
 
 
-def test_dashboard_fills_with_traffic(server: Server, page: Page) -> None:
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    page.goto(f"{server.url}/dashboard")
-    page.wait_for_function("document.getElementById('status').textContent === 'live'", timeout=15_000)
-    assert page.title() == "embedserve dashboard"
-    empty = _points(page)
-    assert set(empty) == set(CHARTS)
-    assert all(n == 0 for n in empty.values()), empty  # no traffic yet: nothing drawn
-
+def test_dashboard_fills_with_traffic(watched: Watched, server: Server, tmp_path: Path) -> None:
     # Light load (LOW tier), then heavier (batches form), so every chart has something to show.
     assert traffic(server.url, 4, clients=2) > 0
     assert traffic(server.url, 8, clients=24) > 0
     ids = ",".join(repr(c) for c in CHARTS)
     check = f"[{ids}].every(id => Number(document.getElementById(id).dataset.points) > 0)"
-    page.wait_for_function(check, timeout=20_000)
-    filled = _points(page)
-    assert all(n > 0 for n in filled.values()), filled
-    assert page.locator("#c-latency path").count() == 3  # p50, p95, p99
-    assert page.locator("#c-batches rect").count() >= 2  # batches of more than one size
+    watched.page.wait_for_function(check, timeout=20_000)
+    page = watched.page
+    assert len(watched.data("c-latency")) == 4  # x, p50, p95, p99
+    counts = watched.data("c-batches")[1]
+    assert len([n for n in counts if n > 0]) >= 2  # batches of more than one size
     assert page.text_content("#t-rps") not in ("–", "0.00")
     assert page.text_content("#t-hit").endswith("%")
     assert page.text_content("#model").startswith("all-MiniLM-L6-v2")
     assert page.locator("#summary tr").count() > 5
-    assert errors == []
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOT), full_page=True)
-    assert SCREENSHOT.stat().st_size > 20_000
+    # requests/s is drawn last, so on top of texts/s (equal when every request has one text)
+    labels = page.evaluate("window.charts['c-throughput'].series.map(s => s.label)")
+    assert labels[1:] == ["texts/s", "requests/s"]
+    why = page.text_content("#t-saved-why") or ""
+    assert "model slots" in why and "can exceed uptime" in why
+    assert watched.errors == []
+    page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+    assert (tmp_path / "dashboard.png").stat().st_size > 20_000
 
 
-def test_dashboard_is_served_offline(server: Server) -> None:
-    """The page and its script come from the server itself: no external URL anywhere."""
-    html = httpx.get(f"{server.url}/dashboard").text
-    script = httpx.get(f"{server.url}/dashboard/dashboard.js")
-    assert script.status_code == 200 and "javascript" in script.headers["content-type"]
-    for source in (html, script.text):
-        assert "http://" not in source.replace("http://www.w3.org/2000/svg", "")
-        assert "https://" not in source
+def test_no_hole_in_the_grid_and_no_wrapped_cell(watched: Watched) -> None:
+    layout = watched.page.evaluate(
+        """() => {
+        const grid = document.querySelector('.grid');
+        const columns = getComputedStyle(grid).gridTemplateColumns.split(' ').length;
+        const tiles = [...document.querySelectorAll('.tile')].map(t => t.getBoundingClientRect());
+        const box = document.querySelector('.tiles').getBoundingClientRect();
+        const rows = [...document.querySelectorAll('#summary tr')].map(r => r.getBoundingClientRect().height);
+        const table = document.getElementById('summary');
+        return {columns, cards: grid.children.length, tilesRight: Math.max(...tiles.map(t => t.right)),
+                lastTileRight: tiles[tiles.length - 1].right, boxRight: box.right, rows,
+                tableWidth: table.scrollWidth, cardWidth: table.parentElement.clientWidth};
+    }"""
+    )
+    assert layout["cards"] % layout["columns"] == 0, layout  # every row of cards is full
+    assert abs(layout["lastTileRight"] - layout["boxRight"]) < 2, layout  # the tiles fill their last row
+    assert max(layout["rows"]) - min(layout["rows"]) < 2, layout  # one line per table row
+    assert layout["tableWidth"] <= layout["cardWidth"], layout
 
 
-def test_dashboard_with_an_api_key(page: Page, tmp_path: Path) -> None:
+def test_a_pause_is_drawn_as_zero(watched: Watched, server: Server) -> None:
+    """No traffic for two 5-second steps, then traffic again: the lines go to 0 and back, unbroken."""
+    time.sleep(11)
+    assert traffic(server.url, 4, clients=4) > 0
+    watched.wait_for_render(watched.renders())
+    requests = watched.data("c-throughput")[2]
+    busy = [i for i, v in enumerate(requests) if v > 0]
+    assert busy, requests
+    between = [requests[i] for i in range(busy[0], busy[-1]) if i not in busy]
+    assert between and all(v == 0 for v in between), requests  # the pause, drawn at 0
+    for chart in TIME_CHARTS:  # a null would break a line into segments: there are none
+        assert all(v is not None for series in watched.data(chart)[1:] for v in series), chart
+
+
+def test_charts_are_drawn_from_the_first_answer(browser: Browser, server: Server) -> None:
+    """A new page on a server that has had traffic: its very first answer fills every chart."""
+    fresh = Watched(browser)
+    fresh.page.route("**/v1/dashboard", lambda route: route.abort())  # no answer yet: the frame is there
+    fresh.page.goto(f"{server.url}/dashboard")
+    fresh.page.wait_for_function("document.getElementById('status').textContent.startsWith('offline')")
+    assert fresh.page.locator(".chart canvas").count() == len(CHARTS) and fresh.renders() == 0
+    fresh.page.unroute("**/v1/dashboard")
+    fresh.errors.clear()  # the aborted fetch, reported by the browser
+    fresh.page.wait_for_function("document.body.dataset.renders === '1'", timeout=15_000)
+    first = fresh.page.evaluate(
+        "({renders: document.body.dataset.renders,"
+        " points: [...document.querySelectorAll('.chart')].map(e => Number(e.dataset.points))})"
+    )
+    assert first["renders"] == "1" and all(n > 0 for n in first["points"]), first
+    assert fresh.errors == []
+    fresh.page.close()
+
+
+def test_dashboard_is_served_offline(watched: Watched, server: Server) -> None:
+    """The page, its script, its stylesheet and uPlot come from the server itself: no CDN."""
+    assert watched.urls and all(url.startswith(server.url) for url in watched.urls), watched.urls
+    assert any(url.endswith("/vendor/uPlot.iife.min.js") for url in watched.urls)
+    for path in ("/dashboard", "/dashboard/static/dashboard.js"):
+        source = httpx.get(f"{server.url}{path}").text
+        assert "http://" not in source and "https://" not in source, path
+    licence = httpx.get(f"{server.url}/dashboard/static/vendor/uPlot.LICENSE")
+    assert licence.status_code == 200 and "MIT" in licence.text
+
+
+def test_dashboard_with_an_api_key(browser: Browser, tmp_path: Path) -> None:
     """With API_KEY set the page's data needs the key: it comes from the URL fragment, never sent."""
     env = {"API_KEY": "dash-key-1", "PROTECT_METRICS": "false"}
     with run_server("stage5_metrics", tmp_path, env) as srv:
+        page = browser.new_page()
         page.goto(f"{srv.url}/dashboard")
         page.wait_for_function("document.getElementById('status').textContent.startsWith('offline')")
         assert "401" in page.text_content("#status")
@@ -133,3 +190,4 @@ def test_dashboard_with_an_api_key(page: Page, tmp_path: Path) -> None:
         page.reload()
         page.wait_for_function("document.getElementById('status').textContent === 'live'", timeout=15_000)
         assert "dash-key-1" not in srv.log()
+        page.close()

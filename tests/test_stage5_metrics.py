@@ -129,6 +129,7 @@ def test_labels_are_bounded(server: Server) -> None:
                 "le",
                 "model",
                 "dimensions",
+                "by",
             }
     routes = {dict(labels).get("route") for (name, labels) in samples if name == "embedserve_requests_total"}
     assert routes <= {
@@ -140,7 +141,7 @@ def test_labels_are_bounded(server: Server) -> None:
         "/health",
         "/ready",
         "/dashboard",
-        "/dashboard/dashboard.js",
+        "/dashboard/static",
         "/v1/models",
         "unmatched",
     }
@@ -238,6 +239,38 @@ def test_request_log_lines(server: Server, engine: Engine) -> None:
     assert lines[invalid.headers["x-request-id"]]["status"] == 200
     assert lines["log-test-422"]["status"] == 422 and lines["log-test-422"]["queue_ms"] is None
     assert SECRET not in server.log()
+
+
+def test_uvicorn_lines_are_json_too(server: Server) -> None:
+    """One format for the whole stream: uvicorn's own lines are JSON lines like the request lines."""
+    lines = [line for line in server.log().splitlines() if line.strip()]
+    launcher = [line for line in lines if not line.startswith("{")]
+    assert len(launcher) == 1 and "listening on" in launcher[0]  # common.serve's print, on stdout
+    parsed = [json.loads(line) for line in lines if line.startswith("{")]
+    messages = {line["msg"] for line in parsed if line["logger"].startswith("uvicorn")}
+    assert any(m.startswith("Started server process") for m in messages)
+    assert any(m.startswith("Uvicorn running on") for m in messages)
+    assert all(line["level"] in ("debug", "info", "warning", "error") and "ts" in line for line in parsed)
+
+
+def test_text_logs_for_people(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """LOG_FORMAT=text: the same lines as `<ts> LEVEL message key=value ...`, uvicorn's included."""
+    with run_server(STAGE, tmp_path_factory.mktemp("text-logs"), {"LOG_FORMAT": "text"}) as srv:
+        response = httpx.post(f"{srv.url}/v1/embed", json={"inputs": ["a line for people"]}, timeout=60)
+        rid = response.headers["x-request-id"]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and rid not in srv.log():
+            time.sleep(0.05)
+        log = srv.log()
+    stamp = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
+    assert re.search(rf"^{stamp} INFO Uvicorn running on http://", log, re.MULTILINE)
+    line = next(line for line in log.splitlines() if rid in line)
+    assert re.fullmatch(
+        rf"{stamp} INFO request request_id={rid} method=POST route=/v1/embed status=200 texts=1 tokens=\d+ "
+        r"cache_hits=0 cache_misses=1 queue_ms=[\d.]+ inference_ms=[\d.]+ total_ms=[\d.]+",
+        line,
+    ), line
+    assert not any(line.startswith("{") for line in log.splitlines())
 
 
 def test_overload_and_disconnect_are_counted(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -1,14 +1,26 @@
-"""Stage 5's pure parts: the window's arithmetic, the savings estimate, the log formats."""
+"""Stage 5's parts without a server: the registry, the window over it, the savings estimate, the logs."""
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
 import logging
+import re
+from collections.abc import Iterator
 
+import pytest
+import yaml
+
+from benchmarks import metrics_reference as reference
 from common.engine import Engine
-from stage5_metrics.logs import JsonFormatter, TextFormatter
+from common.settings import Settings
+from stage5_metrics.logs import JsonFormatter, RequestRecord, TextFormatter, configure_logging, log_request
+from stage5_metrics.metrics import Metrics
 from stage5_metrics.savings import CostModel
-from stage5_metrics.window import Window, bucket_of, percentile
+from stage5_metrics.state import State
+from stage5_metrics.views import quantile, series, summary
+from stage5_metrics.window import Window, read
 
 
 class Clock:
@@ -19,57 +31,106 @@ class Clock:
         return self.now
 
 
-def test_percentiles_are_within_ten_percent() -> None:
-    latencies = [float(ms) for ms in range(1, 1001)]  # 1 .. 1000 ms
-    histogram: dict[int, int] = {}
-    for ms in latencies:
-        histogram[bucket_of(ms)] = histogram.get(bucket_of(ms), 0) + 1
+def traffic(metrics: Metrics, n: int, ms: float = 5.0, texts: int = 2, hits: int = 1) -> None:
+    """``n`` embedding requests answered 200, each with ``texts`` texts, and one batch of their misses."""
+    for _ in range(n):
+        metrics.observe_request("/v1/embed", 200, ms / 1e3)
+        metrics.observe_result(texts, 10 * texts, 0.001, 0.002 * hits)
+    metrics.observe_batch(n * (texts - hits), 160, 120, "medium", 0.02, failed=False, saved_s=0.03)
+
+
+def test_percentiles_interpolate_inside_a_bucket() -> None:
+    metrics = Metrics()
+    for ms in range(1, 1001):  # 1 .. 1000 ms, evenly
+        metrics.observe_request("/v1/embed", 200, ms / 1e3)
+    metrics.observe_request("/metrics", 200, 5.0)  # another route: not in the embedding figures
+    empty, snap = Window(metrics).baseline, read(metrics, 0.0)
     for q, exact in ((0.5, 500.0), (0.95, 950.0), (0.99, 990.0)):
-        got = percentile(histogram, q)
-        assert got is not None and exact <= got <= exact * 1.1
-    assert percentile({}, 0.5) is None
+        got = quantile(empty.latency, snap.latency, q)
+        assert got is not None and abs(got - exact) <= 0.05 * exact, (q, got)
+    assert quantile(snap.latency, snap.latency, 0.5) is None  # no request in between: no percentile
+    assert summary(empty, snap)["latency_ms"]["mean"] == pytest.approx(500.5)
 
 
 def test_last_minute_forgets_and_since_start_remembers() -> None:
     clock = Clock()
-    window = Window(keep_s=120, clock=clock)
-    for _ in range(10):
-        window.record_request(200, 5.0, texts=2, tokens=20, cache_hits=1, cache_misses=1, queue_ms=1.0)
-    window.record_batch(8, 160, 120, "medium", 20.0, saved_ms=30.0, queue_depth=5)
-    clock.now += 90  # older than a minute, still inside keep_s
-    window.record_request(503, 1.0)
-    minute, since = window.summary(60), window.summary(None)
+    metrics = Metrics()
+    window = Window(metrics, clock=clock)
+    window.sample()
+    traffic(metrics, 10)
+    for _ in range(90):  # a sample a second, as the server's task takes them
+        clock.now += 1
+        window.sample()
+    metrics.observe_request("/v1/embed", 503, 0.001)
+    now = window.now()
+    minute, since = summary(window.minute_ago(now), now), summary(window.baseline, now)
     assert minute["requests"] == 1 and minute["rejections"]["overload"] == 1 and minute["texts"] == 0
+    assert 59 <= minute["seconds"] <= 61
     assert since["requests"] == 11 and since["texts"] == 20 and since["tokens"] == 200
-    clock.now += 600  # every slot expired into the running total: since-start still has it all
-    window.record_request(200, 2.0, texts=1, tokens=5)
-    since = window.summary(None)
-    assert since["requests"] == 12 and since["texts"] == 21
-    assert since["cache"] == {"hits": 10, "misses": 10, "hit_rate": 0.5}
-    assert since["batches"]["count"] == 1 and since["batches"]["size_distribution"] == {"8": 1}
+    assert since["statuses"] == {"200": 10, "503": 1}
+    assert since["cache"]["deduplicated"] == 0  # stage 4's counts come from the backend (State)
+    assert since["batches"]["count"] == 1 and since["batches"]["size_distribution"] == {"10": 1}
     assert since["batches"]["tiers"] == {"low": 0, "medium": 1, "high": 0}
     assert since["batches"]["padding_ratio"] == 0.25
     assert since["savings"]["model_s_spent"] == 0.02 and since["savings"]["model_s_saved_by_batching"] == 0.03
-    assert since["savings"]["saved_fraction"] == 0.6
+    assert since["savings"]["model_s_saved_by_cache"] == 0.02
+    assert since["savings"]["saved_fraction"] == round(0.05 / 0.07, 4)
     assert since["queue_ms_mean"] == 1.0
-    assert window.summary(60)["requests"] == 1
+    clock.now += 600  # long after: since start still has it all
+    window.sample()
+    assert summary(window.baseline, window.now())["requests"] == 11
 
 
-def test_series_points_cover_the_window() -> None:
+def test_cache_figures_come_from_the_tiers() -> None:
+    """A Redis hit follows a memory miss: hits add up over tiers, lookups are the memory tier's."""
+    metrics = Metrics()
+    metrics.state.source = lambda: State(
+        cache_hits={"memory": 6, "redis": 2}, cache_misses={"memory": 4, "redis": 2}, deduplicated=3
+    )
+    cache = summary(Window(metrics).baseline, read(metrics, 1.0))["cache"]
+    assert cache == {"hits": 8, "misses": 2, "hit_rate": 0.8, "deduplicated": 3}
+
+
+def test_series_points_cover_the_window_and_a_pause_is_zero() -> None:
     clock = Clock(1_000_000.0)
-    window = Window(clock=clock)
-    assert len(window.series(seconds=300, step=5)) == 1  # just started: one point
-    clock.now += 400
-    for _ in range(10):
-        window.record_request(200, 4.0, texts=1, tokens=10, cache_hits=1)
-    window.record_batch(2, 20, 20, "low", 3.0, 1.0, queue_depth=0)
-    series = window.series(seconds=300, step=5)
-    assert len(series) == 60
-    assert [p["t"] for p in series] == sorted(p["t"] for p in series)
-    last, empty = series[-1], series[0]
-    assert last["requests_per_s"] > 0 and last["hit_rate"] == 1.0 and last["avg_batch"] == 2.0
-    assert last["queue_depth_max"] == 0
-    assert empty["requests_per_s"] == 0 and empty["p50_ms"] is None and empty["queue_depth_max"] is None
+    metrics = Metrics()
+    depth = {"now": 0}
+    metrics.state.source = lambda: State(queue_depth=depth["now"])
+    window = Window(metrics, clock=clock)
+    assert len(series(window)) == 1  # just started: one point
+    window.sample()
+    for second in range(400):
+        clock.now += 1
+        if second < 30 or second > 380:  # traffic, a pause of almost six minutes, traffic again
+            traffic(metrics, 2)
+            depth["now"] = 7 if second == 385 else 1
+        else:
+            depth["now"] = 0
+        window.sample()
+    points = series(window)
+    assert len(points) == 60 and [p["t"] for p in points] == sorted(p["t"] for p in points)
+    assert all(b["t"] - a["t"] == 5 for a, b in itertools.pairwise(points))
+    pause, busy_step = points[10], points[-2]  # the last point is the step under way
+    assert pause["requests_per_s"] == 0 and pause["texts_per_s"] == 0 and pause["queue_depth_max"] == 0
+    assert pause["p50_ms"] is None and pause["hit_rate"] is None and pause["avg_batch"] is None
+    assert pause["tiers"] == {"low": 0, "medium": 0, "high": 0} and pause["spent_s"] == 0
+    busy = [p for p in points if p["requests_per_s"] > 0]
+    assert busy and all(p["requests_per_s"] == pytest.approx(2.0, abs=0.5) for p in busy[:-1])
+    assert max(p["queue_depth_max"] for p in points) == 7  # the deepest queue of its step
+    assert busy_step["p50_ms"] == pytest.approx(5.0, rel=0.2) and busy_step["avg_batch"] == 2.0
+
+
+def test_state_is_exported_by_name() -> None:
+    """Every state metric is there before the model loads (zeros), with the backend's values after."""
+    metrics = Metrics()
+    names = {s.name for f in metrics.own_families() for s in f.samples}
+    for name in ("queue_depth_texts", "cache_hits_total", "rejected_requests_total", "dropped_texts_total"):
+        assert f"embedserve_{name}" in names
+    metrics.state.source = lambda: State(queue_depth=5, tier="medium", rejected={"overload": 2})
+    text = metrics.exposition().decode()
+    assert "embedserve_queue_depth_texts 5.0" in text
+    assert 'embedserve_load_tier{tier="medium"} 1.0' in text
+    assert 'embedserve_rejected_requests_total{reason="overload"} 2.0' in text
 
 
 def test_cost_model_is_measured_and_monotonic(engine: Engine) -> None:
@@ -91,23 +152,66 @@ def test_cost_model_follows_the_machine() -> None:
 
 
 def _record(**fields: object) -> logging.LogRecord:
-    record = logging.makeLogRecord({"name": "embedserve.requests", "levelname": "INFO", "msg": "request"})
-    record.fields = fields
-    return record
+    return logging.makeLogRecord(
+        {"name": "embedserve.requests", "levelname": "INFO", "msg": "request", **fields}
+    )
 
 
 def test_log_formats() -> None:
     line = json.loads(JsonFormatter().format(_record(request_id="r1", status=200, queue_ms=None)))
+    assert list(line)[:4] == ["ts", "level", "logger", "msg"]
     assert line["msg"] == "request" and line["level"] == "info" and line["logger"] == "embedserve.requests"
     assert line["request_id"] == "r1" and line["status"] == 200 and line["queue_ms"] is None
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["ts"])
     text = TextFormatter().format(_record(request_id="r1", status=200, queue_ms=None))
-    assert text.endswith("INFO request request_id=r1 status=200")
+    assert text.endswith("INFO request request_id=r1 status=200 queue_ms=null")
+    # uvicorn's lines: its ANSI-coloured copy of the message is dropped, the message formatted.
+    uvicorn = logging.makeLogRecord(
+        {"name": "uvicorn.error", "levelname": "INFO", "msg": "Started server process [%d]", "args": (7,)}
+    )
+    uvicorn.color_message = "\x1b[36m7\x1b[0m"
+    assert json.loads(JsonFormatter().format(uvicorn))["msg"] == "Started server process [7]"
+    assert "color_message" not in JsonFormatter().format(uvicorn)
+
+
+@pytest.fixture
+def log_stream() -> Iterator[io.StringIO]:
+    """The request log's handler, writing to a string for the test (the settings' defaults after)."""
+    configure_logging(Settings())
+    queued = logging.getLogger("embedserve").handlers[0]
+    stream = io.StringIO()
+    old = queued.target.setStream(stream)  # type: ignore[attr-defined]
+    yield stream
+    queued.target.setStream(old)  # type: ignore[attr-defined]
+    configure_logging(Settings())
+
+
+def test_request_lines_in_both_formats(log_stream: io.StringIO) -> None:
+    from stage5_metrics.logs import flush_logs
+
+    record = RequestRecord("rid-1", texts=2, tokens=17, cache_hits=1, cache_misses=1, queue_ms=0.5)
+    for fmt in ("json", "text"):
+        configure_logging(Settings(log_format=fmt))
+        log_request(logging.INFO, "POST", "/v1/embed", 200, record, 12.3456)
+        log_request(logging.WARNING, "GET", "unmatched", 503, RequestRecord("rid-2"), 1.0)
+        flush_logs()  # the listener thread formats: every queued line written before the next format
+    lines = log_stream.getvalue().splitlines()
+    assert len(lines) == 4
+    first, second = json.loads(lines[0]), json.loads(lines[1])
+    assert first["request_id"] == "rid-1" and first["status"] == 200 and first["tokens"] == 17
+    assert first["queue_ms"] == 0.5 and first["inference_ms"] is None and first["total_ms"] == 12.346
+    assert second["level"] == "warning" and second["texts"] == 0
+    assert " INFO request request_id=rid-1 method=POST route=/v1/embed status=200 texts=2" in lines[2]
+    assert lines[2].endswith("total_ms=12.346") and "inference_ms=null" in lines[2]
+    assert " WARNING request request_id=rid-2" in lines[3]
+    configure_logging(Settings(log_level="WARNING"))  # LOG_LEVEL=WARNING: no request lines
+    log_request(logging.INFO, "POST", "/v1/embed", 200, record, 1.0)
+    flush_logs()
+    assert len(log_stream.getvalue().splitlines()) == 4
 
 
 def test_metrics_reference_is_current() -> None:
     """docs/results/stage5_metrics.md is what the registry exposes (rerun the module if not)."""
-    from stage5_metrics import reference
-
     assert reference.OUT.read_text() == reference.markdown(), "run: python -m benchmarks.metrics_reference"
     for name in (
         "embedserve_requests_total",
@@ -118,6 +222,7 @@ def test_metrics_reference_is_current() -> None:
         "embedserve_batch_padding_ratio",
         "embedserve_cache_hits_total",
         "embedserve_rejected_requests_total",
+        "embedserve_model_saved_seconds",
         "process_cpu_seconds_total",
     ):
         assert f"`{name}`" in reference.markdown()
@@ -125,12 +230,6 @@ def test_metrics_reference_is_current() -> None:
 
 def test_prometheus_rules_name_real_metrics() -> None:
     """The scrape config and recording rules the chapter shows parse, and name metrics that exist."""
-    import re
-
-    import yaml
-
-    from stage5_metrics import reference
-
     folder = reference.OUT.parents[2] / "stage5_metrics" / "prometheus"
     config = yaml.safe_load((folder / "prometheus.yml").read_text())
     assert config["scrape_configs"][0]["metrics_path"] == "/metrics"
@@ -141,33 +240,3 @@ def test_prometheus_rules_name_real_metrics() -> None:
     for name in used:
         base = re.sub(r"_(bucket|sum|count)$", "", name)
         assert f"`{base}`" in exposed, name
-
-
-def test_request_log_lines_in_both_formats() -> None:
-    """The request line's fast path writes what the formatters would: valid JSON, or key=value text."""
-    import io
-
-    from common.settings import Settings
-    from stage5_metrics.logs import RequestLog, RequestRecord
-
-    record = RequestRecord("rid-1", texts=2, tokens=17, cache_hits=1, cache_misses=1, queue_ms=0.5)
-    for fmt in ("json", "text"):
-        log = RequestLog(Settings(log_format=fmt))
-        log.handler = logging.StreamHandler(io.StringIO())
-        log.write(logging.INFO, "POST", "/v1/embed", 200, record, 12.3456)  # no event loop: written at once
-        log.write(logging.WARNING, 'GE"T', "unmatched", 503, RequestRecord("rid-2"), 1.0)
-        first, second = log.handler.stream.getvalue().splitlines()
-        if fmt == "json":
-            line = json.loads(first)
-            assert list(line)[:4] == ["ts", "level", "logger", "msg"]
-            assert line["request_id"] == "rid-1" and line["status"] == 200 and line["tokens"] == 17
-            assert line["queue_ms"] == 0.5 and line["inference_ms"] is None and line["total_ms"] == 12.346
-            odd = json.loads(second)  # an odd method token cannot break the JSON
-            assert odd["method"] == "OTHER" and odd["level"] == "warning" and odd["texts"] == 0
-        else:
-            assert " INFO request request_id=rid-1 method=POST route=/v1/embed status=200 texts=2" in first
-            assert first.endswith("total_ms=12.346") and "inference_ms=null" in first
-            assert " WARNING request request_id=rid-2" in second
-    quiet = RequestLog(Settings(log_level="WARNING"))  # LOG_LEVEL=WARNING: no request lines
-    assert not quiet.enabled(logging.INFO) and quiet.enabled(logging.WARNING)
-    RequestLog(Settings())  # leave the process's logging as the settings' defaults have it
