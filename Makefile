@@ -40,7 +40,7 @@ browser:
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
 ## test: the whole suite against the real model, real sockets, real Redis, real browser
-test: setup browser
+test: setup browser prometheus
 	$(PY) -m pytest
 
 lint: $(VENV)/.installed
@@ -163,3 +163,28 @@ exercise: setup
 	@test -n "$(EXERCISE_TESTS_$(STAGE))" || (echo "STAGE=$(STAGE): exercises exist for stages 2, 3 and 4" >&2; exit 2)
 	STAGES=$(if $(SOLUTION),,exercises.)$(EXERCISE_STAGE_$(STAGE)) $(if $(SOLUTION),,EXERCISE=1) \
 		$(PY) -m pytest -p no:cacheprovider -q $(if $(SOLUTION),,-x) $(EXERCISE_TESTS_$(STAGE)) $(ARGS)
+
+# --- beyond one machine: Ray Serve across nodes, the image, the fleet (docs/beyond.md) ----------
+.PHONY: cluster cluster-down cluster-status prometheus
+
+# Ray is an optional extra: only these targets (and the cluster tests) install it.
+$(VENV)/.cluster: pyproject.toml | $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[cluster]'
+	touch $@
+
+## cluster: two Ray nodes here (head + worker), stage 5 on Ray Serve with one replica a node, on HOST:PORT
+cluster: setup $(VENV)/.cluster
+	$(PY) -m deploy.ray.cluster up
+
+## cluster-down: stop Serve (every replica drains), then every process of the cluster
+cluster-down:
+	$(PY) -m deploy.ray.cluster down
+
+## cluster-status: the nodes, the replicas and the address of the running cluster
+cluster-status:
+	$(PY) -m deploy.ray.cluster status
+
+## prometheus: Debian's Prometheus and promtool, for the scrape test of every replica (nothing is downloaded)
+prometheus:
+	@command -v prometheus >/dev/null || (apt-get update -qq && \
+		apt-get install -y -qq --no-install-recommends prometheus >/dev/null)

@@ -1,0 +1,316 @@
+"""Stage 5 on a real two-node Ray cluster on this machine (``make cluster``), tested as a client sees it.
+
+One cluster for the module: started with ``make cluster`` (the reader's command), on free ports,
+with the Redis tier shared by both replicas, stopped with ``make cluster-down``. In order:
+
+1. the whole API contract suite (``test_contract.py``), collected again here against the cluster;
+2. placement (one replica a node) and the shared cache (a text computed by one replica is a
+   Redis hit on the other);
+3. one Prometheus, the shipped configuration, scraping every replica;
+4. the worker node killed (SIGKILL, its raylet and its replica) under a steady load: every
+   request answered, failures only among those in flight, a retry gets 200, then the node comes
+   back and a replica with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from fresh import fresh_texts
+from redis_support import any_redis
+
+# The contract suite, collected again in this module: its tests use the `server` fixture below.
+from test_contract import *  # noqa: F403
+
+from deploy.ray import nodes
+from deploy.ray.settings import ClusterSettings
+from loadtests.httpload import Connections
+from loadtests.procs import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+TEMP_DIR = "/tmp/ray-estest"  # not /tmp/ray-embedserve: a reader's `make cluster` may be up
+
+
+@dataclass
+class Cluster:
+    url: str
+    env: dict[str, str]
+    settings: ClusterSettings
+    head: str
+    worker: str
+    replicas: dict[str, str] = field(default_factory=dict)  # x-served-by -> node id prefix
+
+    def log(self) -> str:
+        """Every replica's and the proxy's log of this session (what `test_server_log...` reads)."""
+        logs = self.settings.temp_dir / "session_latest" / "logs"
+        files = [
+            *logs.glob("serve/replica_*.log"),
+            *logs.glob("serve/proxy_*.log"),
+            *logs.glob("worker-*.err"),
+        ]
+        return "\n".join(f.read_text(errors="replace") for f in files)
+
+    def command(self, *args: str, timeout: float = 300) -> str:
+        done = subprocess.run(
+            [*args], cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    work = tmp_path_factory.mktemp("cluster")
+    with any_redis(work) as redis_url:
+        env = {
+            **os.environ,
+            "HOST": "127.0.0.1",
+            "PORT": str(free_port()),
+            "CLUSTER_GCS_PORT": str(free_port()),
+            "CLUSTER_TEMP_DIR": TEMP_DIR,
+            "CLUSTER_STATE_FILE": str(work / "state.json"),
+            "CACHE_URL": redis_url,  # one tier for both replicas
+            "REQUEST_TIMEOUT_S": "5",  # every request's deadline (the node-kill test counts on it)
+        }
+        cs = ClusterSettings(temp_dir=Path(TEMP_DIR), state_file=work / "state.json")
+        assert not nodes.raylets(cs), f"a cluster in {TEMP_DIR} is still running"
+        started = time.monotonic()
+        up = subprocess.run(["make", "cluster"], cwd=REPO, env=env, capture_output=True, text=True)
+        try:
+            assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+            print(f"make cluster: {time.monotonic() - started:.1f} s\n{up.stdout[-1500:]}")
+            state = json.loads(cs.state_file.read_text())
+            head, worker = state["nodes"]
+            yield Cluster(state["url"], env, cs, head, worker)
+        finally:
+            down = subprocess.run(["make", "cluster-down"], cwd=REPO, env=env, capture_output=True, text=True)
+            assert down.returncode == 0, down.stdout + down.stderr
+            assert not nodes.raylets(cs), "make cluster-down left a node running"
+
+
+# --- 1. the contract suite ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(cluster: Cluster) -> Cluster:
+    """What the contract suite talks to: the cluster's one address (the proxy on the head)."""
+    return cluster
+
+
+# --- 2. placement and the shared cache -----------------------------------------------------------
+def served_by(client: httpx.Client, want: int, tries: int = 200) -> dict[str, str]:
+    """Replica names seen at /ready until ``want`` differ: name -> node id prefix."""
+    seen: dict[str, str] = {}
+    for _ in range(tries):
+        name = client.get("/ready").headers["x-served-by"]
+        seen[name] = name.split("@")[1]
+        if len(seen) >= want:
+            break
+    return seen
+
+
+def test_one_replica_on_each_node(cluster: Cluster) -> None:
+    with httpx.Client(base_url=cluster.url, timeout=30) as client:
+        replicas = served_by(client, 2)
+    assert len(replicas) == 2, replicas
+    assert sorted(replicas.values()) == sorted([cluster.head[:8], cluster.worker[:8]])
+    cluster.replicas = replicas
+
+
+def test_a_text_one_replica_computed_is_a_redis_hit_on_the_other(cluster: Cluster) -> None:
+    body = {"inputs": fresh_texts(1)}
+    with httpx.Client(base_url=cluster.url, timeout=30) as client:
+        first = client.post("/v1/embed", json=body)
+        assert first.status_code == 200 and first.headers["x-cache"] == "miss"
+        origin = first.headers["x-served-by"]
+        for _ in range(100):  # the proxy picks; ask again until the other replica answers
+            again = client.post("/v1/embed", json=body)
+            assert again.status_code == 200 and again.headers["x-cache"] == "hit"
+            if again.headers["x-served-by"] != origin:
+                break
+        else:
+            pytest.fail("the other replica never answered")
+    assert again.json()["embeddings"] == first.json()["embeddings"]
+    # That replica had never seen the text: its hit came from the Redis tier.
+    other = again.headers["x-served-by"]
+    metrics = replica_metrics(cluster)[other]
+    assert 'embedserve_cache_hits_total{tier="redis"}' in metrics
+    hits = _sample(metrics, 'embedserve_cache_hits_total{tier="redis"}')
+    assert hits >= 1, metrics
+
+
+def replica_metrics(cluster: Cluster) -> dict[str, str]:
+    """Each replica's own /metrics, by replica name (``cluster targets`` lists them)."""
+    listed = json.loads(cluster.command(".venv/bin/python", "-m", "deploy.ray.cluster", "targets"))
+    return {t["labels"]["replica"]: httpx.get(f"http://{t['targets'][0]}/metrics").text for t in listed}
+
+
+def _sample(metrics: str, series: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(series + " ")
+    )
+
+
+# --- 3. one Prometheus for every replica -----------------------------------------------------------
+def test_prometheus_scrapes_every_replica_with_the_shipped_config(cluster: Cluster, tmp_path: Path) -> None:
+    prometheus = shutil.which("prometheus")
+    assert prometheus is not None, "prometheus is not installed: `make prometheus` (Debian's package)"
+    cluster.command(".venv/bin/python", "-m", "deploy.ray.cluster", "targets")
+    # The shipped file, with its two relative paths pointed at this test's cluster.
+    shipped = (REPO / "deploy" / "ray" / "prometheus.yml").read_text()
+    config = shipped.replace(
+        "../../out/cluster/targets.json", str(cluster.settings.state_file.with_name("targets.json"))
+    )
+    config = config.replace("../../stage5_metrics/", f"{REPO}/stage5_metrics/")
+    (tmp_path / "prometheus.yml").write_text(config)
+    check = subprocess.run(
+        ["promtool", "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    port = free_port()
+    args = [
+        prometheus,
+        f"--config.file={tmp_path / 'prometheus.yml'}",
+        f"--storage.tsdb.path={tmp_path / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
+    with (tmp_path / "prometheus.log").open("wb") as log:
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        query = f"http://127.0.0.1:{port}/api/v1/query"
+        deadline = time.monotonic() + 60
+        replicas: set[str] = set()
+        while time.monotonic() < deadline and len(replicas) < 2:
+            time.sleep(1)
+            try:
+                result = httpx.get(query, params={"query": "embedserve_requests_total"}).json()
+            except httpx.TransportError:
+                continue
+            replicas = {r["metric"]["replica"] for r in result.get("data", {}).get("result", [])}
+        log_text = (tmp_path / "prometheus.log").read_text()
+        assert len(replicas) == 2, f"Prometheus saw {replicas}\n{log_text[-2000:]}"
+        # The recording rules of one server work across the fleet: one rate per route and status.
+        up = httpx.get(query, params={"query": 'up{job="embedserve-replicas"}'}).json()["data"]["result"]
+        assert [r["value"][1] for r in up] == ["1", "1"]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+# --- 4. a node lost under load, and back -----------------------------------------------------------
+@dataclass
+class Outcome:
+    status: int  # 0: no answer at all
+    started: float
+    seconds: float
+    served_by: str | None
+    retry_after: str | None
+    body: bytes
+
+
+async def _attempt(conns: Connections, body: bytes) -> Outcome:
+    started = time.monotonic()
+    try:
+        status, headers = await conns.post("/v1/embed", body, timeout=15.0)
+    except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+        return Outcome(0, started, time.monotonic() - started, type(exc).__name__, None, body)
+    return Outcome(
+        status,
+        started,
+        time.monotonic() - started,
+        headers.get("x-served-by"),
+        headers.get("retry-after"),
+        body,
+    )
+
+
+async def steady_load_with_a_kill(cluster: Cluster, clients: int, before_s: float, after_s: float):  # type: ignore[no-untyped-def]
+    """``clients`` users, each sending one fresh text at a time, retrying a failure once after its
+    Retry-After; the worker node is killed ``before_s`` in and the load runs ``after_s`` more."""
+    port = int(cluster.url.rsplit(":", 1)[1])
+    firsts: list[Outcome] = []
+    retries: list[Outcome] = []
+    stop = asyncio.Event()
+    texts = iter(fresh_texts(5000))
+
+    async def user() -> None:
+        conns = Connections("127.0.0.1", port)
+        try:
+            while not stop.is_set():
+                body = orjson.dumps({"inputs": [next(texts)]})
+                first = await _attempt(conns, body)
+                firsts.append(first)
+                if first.status != 200:
+                    await asyncio.sleep(float(first.retry_after or 0))
+                    retries.append(await _attempt(conns, body))
+        finally:
+            conns.close()
+
+    users = [asyncio.create_task(user()) for _ in range(clients)]
+    await asyncio.sleep(before_s)
+    killed_at = time.monotonic()
+    signalled = await asyncio.to_thread(nodes.kill_node, cluster.settings, cluster.worker)
+    await asyncio.sleep(after_s)
+    stop.set()
+    await asyncio.gather(*users)
+    return firsts, retries, killed_at, signalled
+
+
+def test_killing_the_worker_node_under_load(cluster: Cluster) -> None:
+    clients = 8
+    firsts, retries, killed_at, signalled = asyncio.run(steady_load_with_a_kill(cluster, clients, 4.0, 8.0))
+    worker_replica = next(n for n, node in served_by_names(firsts).items() if node == cluster.worker[:8])
+    failed = [o for o in firsts if o.status != 200]
+    counts = _count(firsts)
+    print(
+        f"node kill: {signalled} processes; {len(firsts)} requests {counts}; "
+        f"{len(retries)} retried {_count(retries)}"
+    )
+    # Every request got an answer, none waited past its deadline (5 s) by much.
+    assert all(o.status != 0 for o in firsts + retries), [o for o in firsts + retries if o.status == 0]
+    assert max(o.seconds for o in firsts) < 5.0 + 2.0
+    # Only what the dead node held failed, each with a retryable status and Retry-After.
+    assert len(failed) <= clients
+    assert all(o.status in (503, 429) and o.retry_after for o in failed), failed
+    assert all(o.started < killed_at + 1.0 for o in failed), [o.started - killed_at for o in failed]
+    # A client that retries once gets 200.
+    assert [o.status for o in retries] == [200] * len(failed)
+    # New requests go to the surviving replica: everything sent a moment after the kill.
+    later = [o for o in firsts if o.started > killed_at + 1.0]
+    assert later and all(o.status == 200 and o.served_by != worker_replica for o in later)
+    cluster.replicas = {"lost": worker_replica}
+
+
+def served_by_names(outcomes: list[Outcome]) -> dict[str, str]:
+    return {o.served_by: o.served_by.split("@")[1] for o in outcomes if o.served_by and "@" in o.served_by}
+
+
+def _count(outcomes: list[Outcome]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for o in outcomes:
+        counts[o.status] = counts.get(o.status, 0) + 1
+    return counts
+
+
+def test_the_node_comes_back_with_a_replica(cluster: Cluster) -> None:
+    out = cluster.command(".venv/bin/python", "-m", "deploy.ray.cluster", "add-node")
+    assert "joined" in out
+    deadline = time.monotonic() + 120
+    with httpx.Client(base_url=cluster.url, timeout=30) as client:
+        while time.monotonic() < deadline:
+            replicas = served_by(client, 2, tries=20)
+            if len(replicas) == 2:
+                break
+            time.sleep(1)
+    assert len(replicas) == 2, replicas
+    assert cluster.replicas.get("lost") not in replicas  # a new replica, on the new node
+    assert cluster.worker[:8] not in replicas.values()
