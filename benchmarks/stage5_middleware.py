@@ -1,0 +1,291 @@
+"""Stage 5's per-request cost, part by part: the middleware kind, the counters, the log line.
+
+    python -m benchmarks.stage5_middleware            # about 3 minutes; writes out/stage5_middleware.json
+    python -m benchmarks.stage5_middleware --quick    # seconds, to see that it runs
+
+Issue 13, item 7: a departure from FastAPI's idiom stays only where it buys at least 5 % on a
+stage 5 workload with cache hits. Stage 5 ships a pure ASGI middleware (``TelemetryMiddleware``);
+the idiom is FastAPI's ``@app.middleware("http")`` (Starlette's ``BaseHTTPMiddleware``) doing the
+same bookkeeping (``idiom_app`` below). Measured three ways:
+
+1. ``calls``: each per-request call on its own (timeit): the Prometheus updates, and the
+   request line through the ``QueueHandler`` against a plain ``StreamHandler``;
+2. ``in_process``: stage 4, stage 5 and its variants in one process, one memory-cache hit at a
+   time through ASGI, in alternating blocks, in the process's CPU time (every thread);
+3. ``sockets``: stage 4, stage 5, its idiom variant, stage 5 writing its request lines on the
+   event loop and stage 5 with LOG_LEVEL=WARNING (no request lines), under uvicorn side by side,
+   32 closed-loop clients sending cached texts, in turns (ABCDE EDCBA): requests/s and server
+   CPU per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import timeit
+from collections.abc import Awaitable, Callable
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+import psutil
+from starlette.types import ASGIApp
+
+from loadtests.httpload import post_requests, run_load
+from loadtests.procs import REPO, free_port, server_env, wait_http
+
+OUT = REPO / "out" / "stage5_middleware.json"
+TEXTS = [f"a cached sentence number {i} for the middleware measurement" for i in range(300)]
+
+
+def idiom_app() -> Any:
+    """Stage 5 as ``build_app`` makes it, with FastAPI's ``@app.middleware("http")`` doing the same
+    bookkeeping as ``TelemetryMiddleware`` (for ``uvicorn --factory``)."""
+    from fastapi import Request, Response
+
+    from common.api import create_app
+    from common.settings import get_settings
+    from stage3_batching.app import add_batcher_routes
+    from stage4_cache_backpressure.app import add_cache_routes
+    from stage5_metrics.app import MetricsBackend
+    from stage5_metrics.dashboard import add_dashboard_routes
+    from stage5_metrics.logs import RequestRecord, configure_logging
+    from stage5_metrics.metrics import Metrics
+    from stage5_metrics.telemetry import _request_id, finish
+    from stage5_metrics.window import Window
+
+    settings = get_settings()
+    configure_logging(settings)
+    metrics = Metrics()
+    window = Window(metrics)
+    app = create_app(
+        "stage5 with @app.middleware",
+        lambda e, s: MetricsBackend(e, s, metrics, window, app),
+        settings,
+        calls_at_once=lambda s: s.batch_concurrency,
+    )
+    add_batcher_routes(app)
+    add_cache_routes(app)
+    add_dashboard_routes(app, metrics, window)
+
+    @app.middleware("http")
+    async def telemetry(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        started = time.perf_counter()
+        record = request.state.telemetry = RequestRecord(_request_id(request.headers.get("x-request-id")))
+        status = 499
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            response.headers["x-request-id"] = record.request_id
+            return response
+        except Exception:
+            status = 500
+            raise
+        finally:
+            finish(metrics, request.scope, record, status, time.perf_counter() - started)
+
+    return app
+
+
+def direct_log_app() -> Any:
+    """Stage 5 with its request lines formatted and written on the event loop: no QueueHandler."""
+    from stage5_metrics.app import build_app
+
+    app = build_app()
+    ours = logging.getLogger("embedserve")
+    ours.handlers = [h.target for h in ours.handlers]  # the queue's own StreamHandler, used directly
+    return app
+
+
+# --- 1. each call on its own ------------------------------------------------------------------
+def calls(number: int) -> dict[str, float]:
+    """Microseconds per call, best of five runs."""
+    from common.settings import Settings
+    from stage5_metrics.logs import RequestRecord, configure_logging, log_request
+    from stage5_metrics.metrics import Metrics
+
+    configure_logging(Settings())  # as the server does: JSON lines to stderr, through the queue
+    metrics = Metrics()
+    record = RequestRecord("b99065a216cb5ab50000000000000001", texts=1, tokens=12, cache_hits=1)
+
+    def us(fn: Callable[[], Any]) -> float:
+        return round(min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6, 3)
+
+    out = {
+        "prometheus: observe_request (counter + histogram)": us(
+            lambda: metrics.observe_request("/v1/embed", 200, 0.0004)
+        ),
+        "prometheus: observe_result (2 counters, a histogram, a gauge)": us(
+            lambda: metrics.observe_result(1, 12, None, 0.001)
+        ),
+        "request line, QueueHandler (the event loop's part)": us(
+            lambda: log_request(logging.INFO, "POST", "/v1/embed", 200, record, 0.4)
+        ),
+    }
+    ours = logging.getLogger("embedserve")
+    queued = list(ours.handlers)
+    ours.handlers = [h.target for h in queued]  # the queue's own StreamHandler, used on this thread
+    out["request line, plain StreamHandler (formatted and written here)"] = us(
+        lambda: log_request(logging.INFO, "POST", "/v1/embed", 200, record, 0.4)
+    )
+    ours.handlers = queued
+    return out
+
+
+# --- 2. in process ----------------------------------------------------------------------------
+async def in_process(blocks: int, per_block: int) -> dict[str, Any]:
+    from benchmarks.stage5_asgi import _lifespan, _request
+    from stage4_cache_backpressure.app import app as stage4
+    from stage5_metrics.app import build_app
+
+    apps: dict[str, ASGIApp] = {
+        "stage 4": stage4,
+        "stage 5, pure ASGI middleware (shipped)": build_app(),
+        "stage 5, @app.middleware": idiom_app(),
+        "stage 5, request lines written on the loop": build_app(),  # handlers swapped for its blocks
+    }
+    ours = logging.getLogger("embedserve")
+    queued, direct = list(ours.handlers), [h.target for h in ours.handlers]
+    running = [await _lifespan(app) for app in apps.values()]
+    for app in apps.values():  # the first call computes, every later one is a memory-cache hit
+        assert await _request(app) == 200
+    times: dict[str, list[float]] = {name: [] for name in apps}
+    for block in range(blocks):
+        for name in list(apps) if block % 2 == 0 else list(apps)[::-1]:
+            ours.handlers = direct if "on the loop" in name else queued
+            started = time.process_time()
+            for _ in range(per_block):
+                assert await _request(apps[name]) == 200
+            times[name].append((time.process_time() - started) / per_block * 1e6)
+            ours.handlers = queued
+    for task, inbox in running:
+        await inbox.put({"type": "lifespan.shutdown"})
+        await asyncio.wait_for(task, 30)
+    us = {name: round(statistics.median(t), 1) for name, t in times.items()}
+    pure, idiom = us["stage 5, pure ASGI middleware (shipped)"], us["stage 5, @app.middleware"]
+    return {
+        "blocks": blocks,
+        "requests_per_block": per_block,
+        "cpu_us_per_request": us,
+        "idiom_over_pure": round(idiom / pure, 4),
+        "stage5_over_stage4": round(pure / us["stage 4"], 4),
+    }
+
+
+# --- 3. over sockets --------------------------------------------------------------------------
+@contextmanager
+def _uvicorn(target: str, env: dict[str, str], log: Path) -> Any:
+    """``target`` under uvicorn as ``common.serve`` runs a stage (access log off), ready."""
+    port = free_port()
+    command = [sys.executable, "-m", "uvicorn", target, "--port", str(port), "--no-access-log"]
+    if not target.endswith(":app"):
+        command.append("--factory")
+    with log.open("ab") as sink:
+        process = subprocess.Popen(
+            command, cwd=REPO, env=server_env("127.0.0.1", port, env), stdout=sink, stderr=sink
+        )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/ready", process)
+        yield process, port
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def sockets(rounds: int, seconds: float, clients: int) -> dict[str, Any]:
+    targets = {  # name: (uvicorn target, environment)
+        "stage 4": ("stage4_cache_backpressure.app:app", {}),
+        "stage 5, pure ASGI middleware (shipped)": ("stage5_metrics.app:build_app", {}),
+        "stage 5, @app.middleware": ("benchmarks.stage5_middleware:idiom_app", {}),
+        "stage 5, request lines written on the loop": ("benchmarks.stage5_middleware:direct_log_app", {}),
+        "stage 5, LOG_LEVEL=WARNING (no request lines)": (
+            "stage5_metrics.app:build_app",
+            {"LOG_LEVEL": "WARNING"},
+        ),
+    }
+    requests = post_requests("/v1/embed", [orjson.dumps({"inputs": [t]}) for t in TEXTS])
+    points: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
+    logs = OUT.parent / "logs" / "stage5_middleware"
+    logs.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        servers = {
+            name: stack.enter_context(_uvicorn(target, env, logs / f"server-{i}.log"))
+            for i, (name, (target, env)) in enumerate(targets.items())
+        }
+        for _, port in servers.values():  # every text once: from here on all cache hits
+            run_load("127.0.0.1", port, requests, 4, 1.0, warmup=0)
+        for round_ in range(rounds):
+            for name in list(targets) if round_ % 2 == 0 else list(targets)[::-1]:  # ABCDE EDCBA
+                process, port = servers[name]
+                server = psutil.Process(process.pid)
+                cpu = sum(server.cpu_times()[:2])
+                point = run_load("127.0.0.1", port, requests, clients, seconds, warmup=0.5)
+                answered = point["requests_per_s"] * seconds
+                used = sum(server.cpu_times()[:2]) - cpu
+                point["server_cpu_us_per_request"] = round(used / answered * 1e6, 1)
+                points[name].append(point)
+                print(name, json.dumps(point), flush=True)
+    summary = {
+        name: {
+            "requests_per_s": statistics.median(p["requests_per_s"] for p in ps),
+            "server_cpu_us_per_request": statistics.median(p["server_cpu_us_per_request"] for p in ps),
+        }
+        for name, ps in points.items()
+    }
+    stage4, pure, idiom, direct, quiet = (summary[n] for n in targets)
+    return {
+        "clients": clients,
+        "seconds": seconds,
+        "rounds": rounds,
+        "points": points,
+        "median": summary,
+        "idiom_over_pure_requests_per_s": round(idiom["requests_per_s"] / pure["requests_per_s"], 4),
+        "idiom_over_pure_cpu_per_request": round(
+            idiom["server_cpu_us_per_request"] / pure["server_cpu_us_per_request"], 4
+        ),
+        "stage5_over_stage4_requests_per_s": round(pure["requests_per_s"] / stage4["requests_per_s"], 4),
+        "request_lines_cpu_us_per_request": {
+            "QueueHandler (shipped)": round(
+                pure["server_cpu_us_per_request"] - quiet["server_cpu_us_per_request"], 1
+            ),
+            "written on the loop": round(
+                direct["server_cpu_us_per_request"] - quiet["server_cpu_us_per_request"], 1
+            ),
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a few seconds per part: check that it runs")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    out = sys.stdout
+    sys.stderr = tempfile.TemporaryFile("w")  # noqa: SIM115 -- the request lines' sink, as a container's log
+    result: dict[str, Any] = {"command": " ".join(["python -m benchmarks.stage5_middleware", *sys.argv[1:]])}
+    result["calls_us"] = calls(2_000 if args.quick else 20_000)
+    print(json.dumps(result["calls_us"], indent=1), file=out, flush=True)
+    blocks, per_block = (4, 100) if args.quick else (20, 500)
+    result["in_process"] = asyncio.run(in_process(blocks, per_block))
+    print(json.dumps(result["in_process"], indent=1), file=out, flush=True)
+    sys.stderr = sys.__stderr__
+    rounds, seconds = (2, 2.0) if args.quick else (4, 10.0)
+    result["sockets"] = sockets(rounds, seconds, clients=32)
+    print(json.dumps(result["sockets"]["median"], indent=1), file=out)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}", file=out)
+
+
+if __name__ == "__main__":
+    main()
