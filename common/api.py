@@ -416,10 +416,11 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         started = time.perf_counter()
         body = await read_body(request, OpenAIEmbeddingRequest)
         engine: Engine = request.app.state.engine
-        if body.model is not None and body.model not in _model_aliases(engine):
+        if body.model is not None and body.model not in _model_aliases(engine, settings):
             raise APIError(
                 404,
-                f"model `{body.model}` is not served here; this server serves `{engine.model_name}`",
+                f"model `{body.model}` is not served here; this server serves `{engine.model_name}`"
+                " (send that name, or list yours in MODEL_ALIASES)",
                 param="model",
                 type="model_not_found",
             )
@@ -504,10 +505,13 @@ def describe_validation_error(errors: Any) -> tuple[str, str | None]:
     return f"`{param}`: {first.get('msg', 'invalid value')}", param
 
 
-def _model_aliases(engine: Engine) -> set[str]:
+def _model_aliases(engine: Engine, settings: Settings) -> set[str]:
+    """The names ``model`` may take: the served model's own, and the operator's MODEL_ALIASES."""
+    extra = {name.strip() for name in (settings.model_aliases or "").split(",") if name.strip()}
     return {
         engine.model_name,
         engine.model_id,
         f"{engine.model_id}-int8",
         f"sentence-transformers/{engine.model_id}",
+        *extra,
     }

@@ -51,6 +51,11 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(
         15.0, gt=0, description="Longest time a request body may take to arrive; slower gets 408."
     )
+    model_aliases: str | None = Field(
+        None,
+        description="Comma-separated extra names `model` may take, such as a client's default "
+        "(`text-embedding-3-small`); unset: those get a 404 naming the served model.",
+    )
 
     # --- stage 2: thread pool ---------------------------------------------
     worker_threads: int = Field(
