@@ -64,7 +64,8 @@ PROFILE ?= unique-32
 DURATION ?= 30
 EVIDENCE = $(if $(QUICK),--quick) $(if $(RECORD),--record) $(if $(ALLOW_DIRTY),--allow-dirty)
 .PHONY: results loadtest loadtest-headless loadtest-screenshots compare bench bench-stage0 bench-stage2 \
-	bench-stage3 bench-stage4 bench-stage5 stage5-overhead quant-study settings-doc evidence-check
+	bench-stage3 bench-stage3-refinements bench-stage4 bench-stage5 stage5-overhead bench-layers \
+	dashboard-screenshot quant-study settings-doc evidence-check
 
 ## results: every results file, table and plot the docs include, in order (QUICK=1: briefly, into out/)
 results: setup browser
@@ -111,6 +112,10 @@ bench-stage2: setup
 bench-stage3: setup
 	$(PY) -m benchmarks.stage3 $(EVIDENCE) $(ARGS)
 
+## bench-stage3-refinements: what each stage 3 refinement changes, through the batcher alone (seconds)
+bench-stage3-refinements: setup
+	$(PY) -m benchmarks.stage3_refinements $(EVIDENCE) $(ARGS)
+
 ## bench-stage4: cache hit latency by tier, pooled vs per-command Redis, repeats, overload (~3 min; QUICK=1 ~1 min)
 bench-stage4: setup
 	$(PY) -m benchmarks.stage4 $(EVIDENCE) $(ARGS)
@@ -118,6 +123,14 @@ bench-stage4: setup
 ## bench-stage5: what metrics, logs and the dashboard cost, stage 5 vs stage 4 (~4 min; QUICK=1 ~1 min)
 bench-stage5 stage5-overhead: setup
 	$(PY) -m benchmarks.stage5 $(EVIDENCE) $(ARGS)
+
+## dashboard-screenshot: the stage 5 dashboard after a minute of traffic (Chromium; QUICK=1: 10 s)
+dashboard-screenshot: setup browser
+	$(PY) -m benchmarks.stage5_screenshot $(EVIDENCE) $(ARGS)
+
+## bench-layers: stages 2, 3 and 5 in turns on all-unique texts, the engine as yardstick (~6 min; QUICK=1 ~1 min)
+bench-layers: setup
+	$(PY) -m benchmarks.layers $(EVIDENCE) $(ARGS)
 
 ## settings-doc: regenerate the settings table of docs/operating.md from common/settings.py
 settings-doc: $(VENV)/.installed

@@ -31,10 +31,8 @@ from benchmarks.results import FROM_CODE, PAGES
 from loadtests import evidence
 
 DOCS = evidence.REPO / "docs"
-# Pictures no results step takes (yet): checked for presence only, with who makes them.
-PICTURES_FROM_ELSEWHERE = {
-    "dashboard.png": "tests/test_stage5_dashboard.py (stage 5's page, no figures quoted)"
-}
+# Pictures no results step takes: checked for presence only, with who makes them (none today).
+PICTURES_FROM_ELSEWHERE: dict[str, str] = {}
 # A line that quotes a figure from elsewhere, or works an example, says so; its numbers are not results.
 EXEMPT = ("<!-- quoted -->", "<!-- example -->")
 

@@ -72,8 +72,25 @@ STEPS: tuple[Step, ...] = (
         1.5,
     ),
     Step("stage3", "stage 3: batching sweeps", "benchmarks.stage3", ("stage3_sweep.json",), 9, 3),
+    Step(
+        "stage3-refinements",
+        "stage 3: what each refinement changes (no HTTP)",
+        "benchmarks.stage3_refinements",
+        ("stage3_refinements.json",),
+        0.2,
+        0.2,
+    ),
     Step("stage4", "stage 4: cache tiers, repeats, overload", "benchmarks.stage4", ("stage4.json",), 3, 1.5),
     Step("stage5", "stage 5: what watching costs", "benchmarks.stage5", ("stage5_overhead.json",), 4, 1),
+    Step(
+        "dashboard",
+        "stage 5: the dashboard after a minute of traffic",
+        "benchmarks.stage5_screenshot",
+        ("dashboard.json",),
+        1.5,
+        0.6,
+    ),
+    Step("layers", "stages 2, 3 and 5 in turns on unique texts", "benchmarks.layers", ("layers.json",), 6, 1),
     Step(
         "compare",
         "every stage under the same Locust profiles",
@@ -175,6 +192,14 @@ PAGES: tuple[Page, ...] = (
         "benchmarks.results:_draw_soak",
         ("soak.png",),
     ),
+    Page("stage3_refinements.json", "stage3_refinements.md", "benchmarks.stage3_refinements:markdown"),
+    Page(
+        "dashboard.json",
+        "dashboard.md",
+        "benchmarks.stage5_screenshot:caption_page",
+        images=("dashboard.png",),
+    ),
+    Page("layers.json", "layers.md", "benchmarks.layers:markdown"),
     Page("pipeline.json", "pipeline.md", "benchmarks.results:markdown"),  # the pipeline's own timings
 )
 # Generated from the code, not measured: checked by content (tests/test_docs.py), not stamped,
@@ -333,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for s in STEPS:
-            print(f"{s.name:16s} {s.what} (~{s.minutes:g} min, QUICK ~{s.quick_minutes:g} min)")
+            print(f"{s.name:20s} {s.what} (~{s.minutes:g} min, QUICK ~{s.quick_minutes:g} min)")
         return 0
     if args.render:
         for path in render():

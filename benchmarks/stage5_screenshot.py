@@ -1,7 +1,8 @@
 """The stage 5 chapter's picture of the dashboard, taken after a minute of steady traffic.
 
-    python -m benchmarks.stage5_screenshot                 # writes docs/img/dashboard.png
-    python -m benchmarks.stage5_screenshot --warm 120 --out /tmp/dashboard.png
+    python -m benchmarks.stage5_screenshot                 # out/img/dashboard.png, after 60 s
+    python -m benchmarks.stage5_screenshot --quick         # after 10 s, to see that it works
+    python -m benchmarks.stage5_screenshot --record        # docs/img/dashboard.png (stamped)
 
 It starts stage 5 as ``make stage5`` does, sends closed-loop traffic for ``--warm`` seconds
 (sentences, 1 to 6 a request, about a third of them repeats: cache hits), opens ``/dashboard``
@@ -18,46 +19,61 @@ import asyncio
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
+import orjson
 
-from loadtests.procs import REPO, running_stage
+from loadtests import evidence, tables
+from loadtests.httpload import closed_loop, post_requests
+from loadtests.procs import running_stage
 from stage0_script import corpus
 
-OUT = REPO / "docs" / "img" / "dashboard.png"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-sync"]
 
 
-async def closed_loop(url: str, seconds: float, clients: int, seed: int = 5) -> int:
-    """``clients`` closed-loop clients for ``seconds``: new sentences and repeats; requests answered."""
+def _requests(n: int, seed: int = 5) -> list[bytes]:
+    """New sentences and repeats (about a third: cache hits), 1 to 6 texts a request."""
     rng = random.Random(seed)
     fresh = corpus.stream(seed=int(time.time()), kind="sentence")
     popular = corpus.texts(12, seed=77, kind="sentence")
-    until = time.monotonic() + seconds
-    answered = 0
-
-    async def client(c: httpx.AsyncClient) -> None:
-        nonlocal answered
-        while time.monotonic() < until:
-            texts = [
-                rng.choice(popular) if rng.random() < 0.3 else next(fresh) for _ in range(rng.randint(1, 6))
-            ]
-            response = await c.post("/v1/embed", json={"inputs": texts})
-            assert response.status_code == 200, response.text
-            answered += 1
-
-    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-        await asyncio.gather(*(client(c) for _ in range(clients)))
-    return answered
+    bodies = [
+        orjson.dumps(
+            {
+                "inputs": [
+                    rng.choice(popular) if rng.random() < 0.3 else next(fresh)
+                    for _ in range(rng.randint(1, 6))
+                ]
+            }
+        )
+        for _ in range(n)
+    ]
+    return post_requests("/v1/embed", bodies)
 
 
 def traffic(url: str, seconds: float, clients: int) -> int:
-    """``closed_loop`` on a thread of its own (Playwright's sync API keeps a loop on the caller's)."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, closed_loop(url, seconds, clients)).result()
+    """``clients`` closed-loop clients (``loadtests.httpload``) for ``seconds``; requests answered.
+
+    On a thread of its own: Playwright's sync API keeps an event loop on the caller's thread."""
+    parts = urlsplit(url)
+    requests = _requests(max(2000, int(seconds * 400)))
+
+    def run() -> list[Any]:
+        return asyncio.run(
+            closed_loop(parts.hostname or "127.0.0.1", parts.port or 80, requests, clients, seconds=seconds)
+        )
+
+    result: list[Any] = []
+    worker = threading.Thread(target=lambda: result.extend(run()))
+    worker.start()
+    worker.join()
+    failed = [a for a in result if a.status != 200]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(result)} requests failed: {failed[0]}")
+    return len(result)
 
 
 def screenshot(url: str, out: Path, width: int = 1400) -> None:
@@ -74,22 +90,46 @@ def screenshot(url: str, out: Path, width: int = 1400) -> None:
         browser.close()
 
 
-def main(argv: list[str] | None = None) -> None:
+def caption_page(result: dict[str, Any]) -> str:
+    """dashboard.md: what the picture shows, for the stage 5 chapter's caption."""
+    shows = (
+        f"The dashboard after {result['warm_s']:g} s of closed-loop traffic from {result['clients']} clients"
+        f" ({result['answered']} requests: sentences, 1 to 6 a request, a third of them repeats)."
+    )
+    return tables.page(result["stamp"], {"caption": [f"{shows} {evidence.describe(result['stamp'])}"]})
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--warm", type=float, default=60.0, help="seconds of traffic before the picture")
+    parser.add_argument("--warm", type=float, help="seconds of traffic before the picture (60, quick 10)")
     parser.add_argument("--clients", type=int, default=12, help="closed-loop clients (default 12)")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--out", type=Path, help="the picture (default: dashboard.png in out/img or docs/img)"
+    )
+    parser.add_argument("--results", type=Path, help="folder for dashboard.json and .md")
+    evidence.add_arguments(parser)
     args = parser.parse_args(argv)
-    with running_stage("stage5_metrics", REPO / "out" / "logs" / "stage5_screenshot") as server:
+    run = evidence.start("benchmarks.stage5_screenshot", args, argv)
+    warm = args.warm or (10.0 if args.quick else 60.0)
+    out = args.out or run.img_dir / "dashboard.png"
+    answered: list[int] = []
+    with running_stage("stage5_metrics", run.logs("stage5_screenshot")) as server:
         # The load runs on while the page opens and draws, so "now" shows a busy server too.
-        load = threading.Thread(target=traffic, args=(server.url, args.warm + 15, args.clients))
+        load = threading.Thread(target=lambda: answered.append(traffic(server.url, warm + 15, args.clients)))
         load.start()
-        time.sleep(args.warm)
-        screenshot(server.url, args.out)
+        time.sleep(warm)
+        screenshot(server.url, out)
         load.join()
-    print(f"wrote {args.out} after {args.warm:g} s of traffic from {args.clients} clients")
+    result = {"stamp": run.stamp(), "warm_s": warm, "clients": args.clients, "answered": answered[0]}
+    evidence.stamp_png(out, result["stamp"])
+    folder = args.results or run.results_dir
+    evidence.write_json(folder / "dashboard.json", result)
+    evidence.write_text(folder / "dashboard.md", caption_page(result))
+    print(
+        f"wrote {out} after {warm:g} s of traffic from {args.clients} clients, and {folder / 'dashboard.md'}"
+    )
 
 
 if __name__ == "__main__":

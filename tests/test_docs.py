@@ -6,10 +6,13 @@ tests/test_evidence.py.
 
 from __future__ import annotations
 
+import functools
+import http.server
 import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -121,3 +124,42 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     assert (site / "index.html").exists() and (site / "operating" / "index.html").exists()
     # offline: the theme pulls nothing from a CDN or Google Fonts
     assert "fonts.googleapis.com" not in (site / "index.html").read_text()
+    _tables_fit(site)
+
+
+# The pages as a reader sees them: a 1400 px wide browser window.
+WIDTH = 1400
+_WIDE_TABLES = """() => [...document.querySelectorAll('article table')].map((table, i) => {
+    const room = (table.closest('.md-typeset__table') || table.parentElement).clientWidth;
+    const head = [...table.querySelectorAll('th')].slice(0, 3).map(th => th.innerText).join(' | ');
+    return {i, width: table.scrollWidth, room, head};
+}).filter(t => t.width > t.room + 2)"""
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def _tables_fit(site: Path) -> None:
+    """No table on the built site scrolls sideways at 1400 px (Chromium; `make browser`)."""
+    from playwright.sync_api import sync_playwright
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(site)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    pages = sorted(p.parent.relative_to(site) for p in site.glob("*/index.html") if p.parent.name != "search")
+    too_wide = []
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+            tab = browser.new_page(viewport={"width": WIDTH, "height": 1000})
+            for page in pages:
+                tab.goto(f"http://127.0.0.1:{server.server_address[1]}/{page}/")
+                too_wide += [
+                    f"{page}: table {t['i']} ({t['head']}): {t['width']} px in {t['room']} px"
+                    for t in tab.evaluate(_WIDE_TABLES)
+                ]
+            browser.close()
+    finally:
+        server.shutdown()
+    assert not too_wide, "tables wider than the page at 1400 px:\n" + "\n".join(too_wide)
