@@ -72,10 +72,6 @@ def markdown(result: dict[str, Any]) -> str:
     return page(result["stamp"], {"variants": variants}, note)
 
 
-def headline(result: dict[str, Any]) -> dict[str, float]:
-    return {f"{k} MB": v for k, v in result["files_mb"].items()}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -317,10 +317,6 @@ def _cases_table(report: dict[str, Any]) -> list[str]:
     )
 
 
-def headline(report: dict[str, Any]) -> dict[str, float]:
-    return {"inputs tried": report["summary"]["inputs_tried"]}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
