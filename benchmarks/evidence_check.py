@@ -31,6 +31,7 @@ from benchmarks.results import FROM_CODE, PAGES
 from loadtests import evidence
 
 DOCS = evidence.REPO / "docs"
+HAND_DRAWN = "remove it, add a step, or keep a hand-drawn picture outside docs/img"
 # Pictures no results step takes: checked for presence only, with who makes them (none today).
 PICTURES_FROM_ELSEWHERE: dict[str, str] = {}
 # A line that quotes a figure from elsewhere, or works an example, says so; its numbers are not results.
@@ -95,7 +96,7 @@ def stale_evidence(results: Path = evidence.RESULTS, img: Path = evidence.IMG) -
             problems.append(f"{path.name}: no step of make results writes it (remove it, or add a step)")
     for path in sorted(img.glob("*.png")):
         if path.name not in known_pictures:
-            problems.append(f"{path.name}: no step of make results draws it (remove it, or add a step)")
+            problems.append(f"{path.name}: no step of make results draws it ({HAND_DRAWN})")
     for picture in PICTURES_FROM_ELSEWHERE:
         if not (img / picture).is_file():
             problems.append(f"{picture}: missing")

@@ -230,7 +230,7 @@ def test_the_staleness_check_catches_each_kind_of_stale_file(
     assert stale_evidence(res, img) == [
         "stage0.json: no stamp (not written by a stamped run)",
         "old_table.md: no step of make results writes it (remove it, or add a step)",
-        "orphan.png: no step of make results draws it (remove it, or add a step)",
+        f"orphan.png: no step of make results draws it ({evidence_check.HAND_DRAWN})",
     ]
 
 
