@@ -138,6 +138,7 @@ def point(t: int, a: Snapshot, b: Snapshot) -> dict[str, Any]:
     batches = d("batch_size_texts_count")
     return {
         "t": t,
+        "seconds": round(d.seconds, 2),  # the step's length (the one under way is shorter)
         "requests_per_s": round(sum(d.statuses().values()) / d.seconds, 2),
         "texts_per_s": d.per_s("texts_total"),
         "p50_ms": d.latency(0.50),

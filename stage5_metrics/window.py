@@ -106,17 +106,21 @@ class Window:
         return self.steps[max(before)] if before else self.baseline
 
     def spans(self, seconds: int) -> list[tuple[int, Snapshot, Snapshot]]:
-        """``(t, start, end)`` for each step of the last ``seconds`` since the start; the last ends now."""
+        """``(t, start, end)`` for each step of the last ``seconds`` since the start.
+
+        The step under way ends now; it is left out while younger than 2 s (unless it is the
+        only one), so the charts do not end on a fraction of a second that looks like a drop.
+        """
         now = self.now()
         first = max(
             (int(now.at) - seconds) // self.step * self.step + self.step,
             int(self.started) // self.step * self.step,
         )
         last = int(now.at) // self.step * self.step
-        return [
-            (t, self.at(t), self.at(t + self.step) if t < last else now)
-            for t in range(first, last + 1, self.step)
-        ]
+        spans = [(t, self.at(t), self.at(t + self.step)) for t in range(first, last, self.step)]
+        if now.at - last >= 2 or not spans:
+            spans.append((last, self.at(last), now))
+        return spans
 
     # --8<-- [start:sampler]
     async def _run(self) -> None:

@@ -117,19 +117,19 @@ def test_dashboard_fills_with_traffic(watched: Watched, server: Server, tmp_path
 def test_no_hole_in_the_grid_and_no_wrapped_cell(watched: Watched) -> None:
     layout = watched.page.evaluate(
         """() => {
-        const grid = document.querySelector('.grid');
-        const columns = getComputedStyle(grid).gridTemplateColumns.split(' ').length;
-        const tiles = [...document.querySelectorAll('.tile')].map(t => t.getBoundingClientRect());
-        const box = document.querySelector('.tiles').getBoundingClientRect();
+        const span = (c) => Number(getComputedStyle(c).gridColumnStart.replace('span ', '')) || 1;
+        const cells = (grid) => ({
+            columns: getComputedStyle(grid).gridTemplateColumns.split(' ').length,
+            used: [...grid.children].reduce((n, c) => n + span(c), 0),
+        });
         const rows = [...document.querySelectorAll('#summary tr')].map(r => r.getBoundingClientRect().height);
         const table = document.getElementById('summary');
-        return {columns, cards: grid.children.length, tilesRight: Math.max(...tiles.map(t => t.right)),
-                lastTileRight: tiles[tiles.length - 1].right, boxRight: box.right, rows,
-                tableWidth: table.scrollWidth, cardWidth: table.parentElement.clientWidth};
+        return {tiles: cells(document.querySelector('.tiles')), cards: cells(document.querySelector('.grid')),
+                rows, tableWidth: table.scrollWidth, cardWidth: table.parentElement.clientWidth};
     }"""
     )
-    assert layout["cards"] % layout["columns"] == 0, layout  # every row of cards is full
-    assert abs(layout["lastTileRight"] - layout["boxRight"]) < 2, layout  # the tiles fill their last row
+    for grid in ("tiles", "cards"):  # every row of the grid is full
+        assert layout[grid]["used"] % layout[grid]["columns"] == 0, layout
     assert max(layout["rows"]) - min(layout["rows"]) < 2, layout  # one line per table row
     assert layout["tableWidth"] <= layout["cardWidth"], layout
 

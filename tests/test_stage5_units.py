@@ -108,9 +108,10 @@ def test_series_points_cover_the_window_and_a_pause_is_zero() -> None:
             depth["now"] = 0
         window.sample()
     points = series(window)
-    assert len(points) == 60 and [p["t"] for p in points] == sorted(p["t"] for p in points)
+    # 60 steps of 5 s, less the one under way: it began 0 s ago, too young to draw
+    assert len(points) == 59 and [p["t"] for p in points] == sorted(p["t"] for p in points)
     assert all(b["t"] - a["t"] == 5 for a, b in itertools.pairwise(points))
-    pause, busy_step = points[10], points[-2]  # the last point is the step under way
+    pause, busy_step = points[10], points[-1]
     assert pause["requests_per_s"] == 0 and pause["texts_per_s"] == 0 and pause["queue_depth_max"] == 0
     assert pause["p50_ms"] is None and pause["hit_rate"] is None and pause["avg_batch"] is None
     assert pause["tiers"] == {"low": 0, "medium": 0, "high": 0} and pause["spent_s"] == 0
@@ -118,6 +119,10 @@ def test_series_points_cover_the_window_and_a_pause_is_zero() -> None:
     assert busy and all(p["requests_per_s"] == pytest.approx(2.0, abs=0.5) for p in busy[:-1])
     assert max(p["queue_depth_max"] for p in points) == 7  # the deepest queue of its step
     assert busy_step["p50_ms"] == pytest.approx(5.0, rel=0.2) and busy_step["avg_batch"] == 2.0
+    assert busy_step["seconds"] == 5.0
+    clock.now += 3  # the step under way is drawn once it is 2 s old, over its own length
+    under_way = series(window)[-1]
+    assert under_way["t"] == busy_step["t"] + 5 and under_way["seconds"] == 3.0
 
 
 def test_state_is_exported_by_name() -> None:

@@ -30,7 +30,7 @@ function makeChart(id, series, opts) {
       width: box.clientWidth,
       height: HEIGHT,
       series: [{}, ...series],
-      scales: { x: { time: true } },
+      scales: { x: { time: true }, y: { range: (u, min, max) => [Math.min(0, min), max > 0 ? max * 1.1 : 1] } },
       axes: [{}, { size: 50 }],
       cursor: { drag: { x: false, y: false } },
     },
@@ -60,7 +60,10 @@ function createCharts() {
   });
   makeChart("c-batches", [
     { label: "batches", stroke: COLORS.violet, fill: COLORS.violet, paths: uPlot.paths.bars({ size: [0.7, 40] }), points: { show: false } },
-  ], { scales: { x: { time: false, distr: 2 } }, axes: [{ label: "texts per batch", labelSize: 16 }, { size: 50 }] });
+  ], {
+    scales: { x: { time: false, distr: 2 }, y: { range: (u, min, max) => [0, max > 0 ? max * 1.1 : 1] } },
+    axes: [{ label: "texts per batch", labelSize: 16 }, { size: 50 }],
+  });
   makeChart("c-queue", [line("queue depth", COLORS.violet, { paths: uPlot.paths.stepped({ align: 1 }) })]);
   // Stacked: each series is drawn as the running total up to its tier, the legend shows its own count.
   const tier = (label, stroke, k) => ({
@@ -106,7 +109,7 @@ function render(d) {
   tierCounts = ["low", "medium", "high"].map((k) => series.map((p) => p.tiers[k]));
   const low = tierCounts[0], medium = low.map((v, i) => v + tierCounts[1][i]), high = medium.map((v, i) => v + tierCounts[2][i]);
   fill("c-tiers", [t, high, medium, low]);
-  const perSec = (k) => series.map((p) => p[k] / d.step_s);
+  const perSec = (k) => series.map((p) => p[k] / (p.seconds || d.step_s));
   fill("c-savings", [t, perSec("spent_s"), perSec("saved_batch_s"), perSec("saved_cache_s")]);
   summary(m, s);
   document.body.dataset.renders = String(Number(document.body.dataset.renders || 0) + 1);
