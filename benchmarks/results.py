@@ -112,6 +112,14 @@ STEPS: tuple[Step, ...] = (
     ),
     Step("soak", "stage 5 with Redis for 10 minutes", "benchmarks.reliability.soak", ("soak.json",), 11, 1.5),
     Step(
+        "beyond",
+        "stage 5 on the Ray cluster against plain stage 5 (the [cluster] extra)",
+        "benchmarks.beyond",
+        ("beyond.json",),
+        6,
+        3,
+    ),
+    Step(
         "settings",
         "settings table (from the code)",
         "benchmarks.settings_doc",
@@ -200,6 +208,7 @@ PAGES: tuple[Page, ...] = (
         images=("dashboard.png",),
     ),
     Page("layers.json", "layers.md", "benchmarks.layers:markdown"),
+    Page("beyond.json", "beyond.md", "benchmarks.beyond:markdown"),
     Page("pipeline.json", "pipeline.md", "benchmarks.results:markdown"),  # the pipeline's own timings
 )
 # Generated from the code, not measured: checked by content (tests/test_docs.py), not stamped,

@@ -350,11 +350,13 @@ def test_make_results_quick_runs_the_pipeline_into_out(tmp_path: Path) -> None:
     assert {p: p.stat().st_mtime for p in evidence.RESULTS.glob("*")} == before  # docs/ untouched
 
 
-def test_a_failed_step_stops_the_pipeline_and_says_how_to_resume() -> None:
-    step = results.Step(
-        "broken", "a step that fails", "benchmarks.no_such_module", ("x.md",), 0, 0, stamped=False
-    )
-    assert results.pipeline([step], evidence.Run("benchmarks.results", ["--quick"], quick=True)) != 0
+def test_a_failed_step_does_not_stop_the_others(capsys: pytest.CaptureFixture[str]) -> None:
+    broken = results.Step("broken", "fails", "benchmarks.no_such_module", ("x.md",), 0, 0, stamped=False)
+    model = next(s for s in results.STEPS if s.name == "model")
+    assert results.pipeline([broken, model], evidence.Run("benchmarks.results", ["--quick"], quick=True)) == 1
+    out = capsys.readouterr().out
+    assert "[1/2] broken: FAILED" in out and "[2/2] model: done" in out and "1 of 2 steps done" in out
+    assert "run them again with --only broken" in out
     with pytest.raises(SystemExit, match="unknown step"):
         results.select("stage3,nope", None)
-    assert [s.name for s in results.select(None, "soak")] == ["soak", "settings", "metrics"]
+    assert [s.name for s in results.select(None, "soak")] == ["soak", "beyond", "settings", "metrics"]
