@@ -178,7 +178,7 @@ exercise: setup
 		$(PY) -m pytest -p no:cacheprovider -q $(if $(SOLUTION),,-x) $(EXERCISE_TESTS_$(STAGE)) $(ARGS)
 
 # --- beyond one machine: Ray Serve across nodes, the image, the fleet (docs/beyond.md) ----------
-.PHONY: cluster cluster-down cluster-status prometheus
+.PHONY: cluster cluster-down cluster-status prometheus bench-cluster
 
 # Ray is an optional extra: only these targets (and the cluster tests) install it.
 $(VENV)/.cluster: pyproject.toml | $(VENV)/.installed
@@ -196,6 +196,10 @@ cluster-down:
 ## cluster-status: the nodes, the replicas and the address of the running cluster
 cluster-status:
 	$(PY) -m deploy.ray.cluster status
+
+## bench-cluster: the cluster (1 and 2 replicas) against plain stage 5: capacity, CPU a request, a flood (~6 min)
+bench-cluster: setup $(VENV)/.cluster
+	$(PY) -m benchmarks.beyond $(EVIDENCE) $(ARGS)
 
 ## prometheus: Debian's Prometheus and promtool, for the scrape test of every replica (nothing is downloaded)
 prometheus:

@@ -43,7 +43,7 @@ KV_NAMESPACE = "embedserve"
 class Stage5Replica:
     """One replica: the stage 5 server, unchanged, plus its name on every answer."""
 
-    async def __init__(self, cluster: dict[str, Any]) -> None:
+    async def __init__(self, cluster: dict[str, Any]) -> None:  # type: ignore[misc]  # Ray's idiom
         from stage5_metrics.app import build_app  # imported in the replica, never on the driver
 
         self.name = _replica_name()
@@ -82,7 +82,8 @@ def application(cs: ClusterSettings | None = None, settings: Settings | None = N
         }
     else:
         options["num_replicas"] = cs.replicas
-    return Stage5Replica.options(**options).bind({"metrics_port": cs.metrics_port})
+    deployment = Stage5Replica.options(**options)  # type: ignore[attr-defined]
+    return deployment.bind({"metrics_port": cs.metrics_port})
 
 
 # --8<-- [end:deployment]

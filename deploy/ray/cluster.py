@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import sys
@@ -52,7 +53,7 @@ def connected(cs: ClusterSettings) -> Iterator[None]:
     ray.init(
         address=nodes.gcs_address(cs),
         _node_ip_address=nodes.NODE_IP,
-        logging_level="error",
+        logging_level=logging.ERROR,
         log_to_driver=False,
     )
     try:
@@ -107,7 +108,7 @@ def running_replicas() -> int:
     app = serve.status().applications.get(APP_NAME)
     if app is None:
         return 0
-    return sum(d.replica_states.get("RUNNING", 0) for d in app.deployments.values())
+    return sum(n for d in app.deployments.values() for s, n in d.replica_states.items() if s == "RUNNING")
 
 
 def wait_running(count: int, timeout: float) -> None:

@@ -91,11 +91,16 @@ def kill_node(cs: ClusterSettings, node_id: str, sig: signal.Signals = signal.SI
 
 def stop_all(cs: ClusterSettings) -> int:
     """Kill every process of this cluster (``ray stop --force`` without touching other clusters)."""
-    procs = _cluster_processes(cs)
-    for proc in list(procs):
+    return _signal_all(processes(cs), signal.SIGKILL)
+
+
+def processes(cs: ClusterSettings) -> list[psutil.Process]:
+    """Every process of this cluster: those that name it, and what they started (workers, agents)."""
+    found = _cluster_processes(cs)
+    for proc in list(found):
         with contextlib.suppress(psutil.NoSuchProcess):
-            procs += proc.children(recursive=True)
-    return _signal_all(procs, signal.SIGKILL)
+            found += proc.children(recursive=True)
+    return list({p.pid: p for p in found}.values())
 
 
 def _cluster_processes(cs: ClusterSettings) -> list[psutil.Process]:
