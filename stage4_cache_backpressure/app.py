@@ -99,9 +99,7 @@ class CacheBackend(BatchingBackend):
     async def embed(self, job: EmbedJob) -> EmbedResult:
         self.stats.active += 1
         try:
-            if job.request is None:
-                return await self._embed(job)
-            return await unless_client_leaves(self._embed(job), job.request)  # NEW: hang up, drop the work
+            return await self._embed(job)
         except APIError as exc:
             if exc.status == 504:
                 self.stats.deadline_exceeded += 1
@@ -131,12 +129,13 @@ class CacheBackend(BatchingBackend):
             # 3. Redis tier, looked up once for this request and for every follower
             todo = answer.fill(lead, await self._from_redis(keys, lead))
             if todo:
-                tokens = await tokenize(self.engine, job, todo)  # the misses, and only them
                 # 4. admission: past the deadline already, 504; the queue full, 503 (or 429) now
                 _check_deadline(job)
                 self.admission.check(len(todo))
-                # 5. stage 3's batcher, with the request's deadline
-                outcome = await self._submit(tokens, job.deadline)
+                # 5. stage 3's batcher, with the request's deadline; the misses, and only them,
+                # are tokenized
+                tokens = await tokenize(self.engine, job, todo)
+                outcome = await self._submit(tokens, job)
                 await self._remember([keys[row] for row in todo], answer.computed(todo, tokens, outcome))
         for row, flight in follow:
             answer.take(row, await self._follow(job, row, flight))
@@ -158,10 +157,14 @@ class CacheBackend(BatchingBackend):
                 self.flights.resolve(keys[row], entry)
         return found
 
-    async def _submit(self, tokens: list[TokenizedText], deadline: float | None) -> BatchOutcome:
-        """Step 5: a text still queued when the deadline passes is dropped (504), never run."""
+    async def _submit(self, tokens: list[TokenizedText], job: EmbedJob) -> BatchOutcome:
+        """Step 5: a text still queued when the deadline passes (504) or when the client hangs up
+        (499) is dropped, never run."""
+        work = self.batcher.submit(tokens, deadline=job.deadline)
         try:
-            return await self.batcher.submit(tokens, deadline=deadline)
+            if job.request is None:
+                return await work
+            return await unless_client_leaves(work, job.request)  # NEW: hang up, drop the work
         except APIError:
             raise
         except Exception as exc:  # the model raised for this request's texts
@@ -198,10 +201,10 @@ class CacheBackend(BatchingBackend):
         if not job.use_cache:
             self.stats.bypassed += 1  # the client's choice is counted, CACHE_ENABLED=false is not
         answer, rows = Answer(self.engine, job), list(range(len(job.texts)))
-        tokens = await tokenize(self.engine, job)
         _check_deadline(job)
         self.admission.check(len(rows))
-        entries = answer.computed(rows, tokens, await self._submit(tokens, job.deadline))
+        tokens = await tokenize(self.engine, job)
+        entries = answer.computed(rows, tokens, await self._submit(tokens, job))
         if self.cache.enabled:
             await self.cache.put(self._keys(job), entries)
         return answer.result(bypassed=True)
@@ -218,7 +221,9 @@ def _handover(exc: BaseException) -> BaseException:
     """What the followers get when their leader stops early. Its own limits (its client left,
     its deadline passed, its `truncate: false` met a long text) are not theirs: they retry.
     A full queue or a failing model would be theirs too: they get the same error."""
-    own = isinstance(exc, asyncio.CancelledError) or (isinstance(exc, APIError) and exc.status in (422, 504))
+    own = isinstance(exc, asyncio.CancelledError) or (
+        isinstance(exc, APIError) and exc.status in (422, 499, 504)
+    )
     return LeaderGone() if own else exc
 
 
