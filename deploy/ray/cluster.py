@@ -5,6 +5,7 @@
     python -m deploy.ray.cluster targets     # every replica's /metrics, for Prometheus (file_sd)
     python -m deploy.ray.cluster kill-node   # SIGKILL a worker node: a machine crash
     python -m deploy.ray.cluster add-node    # a worker joins again; Serve puts a replica back
+    python -m deploy.ray.cluster redeploy    # the deployment again with this environment's settings
     python -m deploy.ray.cluster down        # stop Serve (drain), then every process of the cluster
 
 The settings are ``CLUSTER_*`` (``deploy/ray/settings.py``), HOST and PORT, and every stage
@@ -82,7 +83,11 @@ def up(cs: ClusterSettings, timeout: float = 300.0) -> dict[str, Any]:
         # One proxy, on the head: the single entry point (a worker's loss never takes it away).
         serve.start(
             proxy_location="HeadOnly",
-            http_options={"host": settings.host, "port": settings.port},
+            http_options={
+                "host": settings.host,
+                "port": settings.port,
+                "request_timeout_s": cs.proxy_timeout_s,  # a request queued in the proxy ends too
+            },
         )
         serve.run(application(cs, settings), name=APP_NAME, route_prefix="/", blocking=False)
         url = f"http://{settings.host}:{settings.port}"
@@ -138,6 +143,26 @@ def wait_replicas(url: str, count: int, timeout: float) -> set[str]:
     raise RuntimeError(f"only {len(seen)} of {count} replicas answered {url}/ready in {timeout:.0f} s")
 
 
+def redeploy(cs: ClusterSettings, timeout: float = 180.0) -> None:
+    """Deploy again with the settings of this environment (queue, replicas, ...), nodes kept.
+
+    Serve replaces the replicas one by one; the proxy's own options (HOST, PORT,
+    CLUSTER_PROXY_TIMEOUT_S) stay as `up` set them.
+    """
+    from ray import serve
+
+    from deploy.ray.app import APP_NAME, application
+
+    with connected(cs):
+        serve.run(application(cs, get_settings()), name=APP_NAME, route_prefix="/", blocking=False)
+        wait_running(cs.replicas, timeout)
+        # the old replicas are gone once only the new count runs
+        deadline = time.monotonic() + timeout
+        while serve.status().applications[APP_NAME].status != "RUNNING" and time.monotonic() < deadline:
+            time.sleep(0.5)
+    print(f"redeployed: {cs.replicas} replicas")
+
+
 def down(cs: ClusterSettings) -> int:
     """Stop Serve first (each replica drains, as on SIGTERM), then every process of the cluster."""
     if nodes.raylets(cs):
@@ -185,16 +210,25 @@ def _answers(url: str) -> bool:
 def status(cs: ClusterSettings) -> dict[str, Any]:
     state = json.loads(cs.state_file.read_text()) if cs.state_file.exists() else {}
     live = nodes.raylets(cs)
-    return {**state, "live_nodes": sorted(live), "head": state.get("nodes", [None])[0]}
+    out = {**state, "live_nodes": sorted(live), "head": state.get("nodes", [None])[0]}
+    if live:
+        with connected(cs):
+            out["replicas_running"] = running_replicas()
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("command", choices=["up", "down", "status", "targets", "kill-node", "add-node"])
+    commands = ["up", "down", "status", "targets", "kill-node", "add-node", "redeploy"]
+    parser.add_argument("command", choices=commands)
     args = parser.parse_args(argv)
     cs = ClusterSettings()
     if args.command == "up":
-        up(cs)
+        try:
+            up(cs)
+        except BaseException:
+            print("the cluster did not come up; `make cluster-down` stops what started", file=sys.stderr)
+            raise
         print(f"{len(targets(cs))} replica /metrics written to {_rel(targets_file(cs))}")
     elif args.command == "down":
         down(cs)
@@ -208,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
         if not workers:
             raise SystemExit("no worker node is running")
         print(f"killed node {workers[0][:8]}: {nodes.kill_node(cs, workers[0])} processes (SIGKILL)")
+    elif args.command == "redeploy":
+        redeploy(cs)
     elif args.command == "add-node":
         print(f"node {nodes.start_node(cs, head=False, env=node_env())[:8]} joined")
 

@@ -9,7 +9,10 @@ replica's own:
   idempotent, so the honest answer is **503 with Retry-After**: send it again, another replica
   will take it;
 * the proxy refuses a request itself (its queue, ``max_queued_requests``, is full): Ray writes a
-  text body; it becomes the same JSON error a replica's own refusal has, status and Retry-After kept.
+  text body; it becomes the same JSON error a replica's own refusal has, status and Retry-After kept;
+* a request outlives the proxy's timeout (``CLUSTER_PROXY_TIMEOUT_S``, queue included): Ray answers
+  408, the status for a client too slow to send its request; it becomes a 504, a deadline passed
+  on the server's side, as a replica's own deadline answers.
 """
 
 from __future__ import annotations
@@ -42,14 +45,15 @@ class AnswerEveryRequest:
             nonlocal started, refusal
             if message["type"] == "http.response.start":
                 started = True
-                if message["status"] in (429, 503) and _is_text(message):
-                    refusal = message  # the proxy's text refusal; a replica's is JSON
+                if message["status"] in (408, 429, 503) and _is_text(message):
+                    refusal = message  # the proxy's own answer; a replica's is JSON
                     return
             elif refusal is not None and message["type"] == "http.response.body":
                 text = message.get("body", b"").decode(errors="replace").strip()
-                status = refusal["status"]
+                if refusal["status"] == 408:
+                    return await _send_error(send, 504, f"deadline passed in the cluster: {text}", [])
                 kept = [(k, v) for k, v in refusal["headers"] if k.lower() == b"retry-after"]
-                return await _send_error(send, status, f"overloaded: {text}", kept)
+                return await _send_error(send, refusal["status"], f"overloaded: {text}", kept)
             await send(message)
 
         try:

@@ -54,6 +54,12 @@ class ClusterSettings(BaseSettings):
         "with Retry-After (-1: no limit).",
     )
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After on a refusal by the proxy.")
+    proxy_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest a request may spend in Ray's proxy, its queue included; past it a 504. "
+        "A replica's own deadline (REQUEST_TIMEOUT_S) starts only when the replica takes the request.",
+    )
     autoscale: bool = Field(False, description="Scale between min_replicas and replicas on queue length.")
     min_replicas: int = Field(1, ge=0, description="Fewest replicas when autoscaling.")
     target_ongoing_requests: float = Field(
