@@ -76,8 +76,14 @@ class Settings(BaseSettings):
     batch_window_ms: float = Field(
         0.0,
         ge=0,
-        description="How long a MEDIUM/HIGH-tier batch waits to fill up (0: no wait; a busy model "
-        "slot fills the next batch, measured in the stage 3 chapter).",
+        description="How long a batch waits to fill up, counted from its oldest text (MEDIUM tier; "
+        "a LOW-tier batch never waits; 0: no wait, a busy model slot fills the next batch; "
+        "measured in the stage 3 chapter).",
+    )
+    batch_window_high_ms: float = Field(
+        0.0,
+        ge=0,
+        description="The same wait for a HIGH-tier batch (BATCH_HIGH_THRESHOLD texts queued or more).",
     )
     batch_low_threshold: int = Field(
         3, ge=1, description="Below this many queued texts a batch goes at once (LOW tier)."

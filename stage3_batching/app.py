@@ -4,9 +4,9 @@ Stage 2 made one model call per request; on a CPU each call pays a fixed cost (t
 hand-offs, kernel launches, small matrices that use the cores badly). Here every request
 hands its texts to one batcher, which runs them in batches in an executor thread
 (BATCH_CONCURRENCY batches side by side) and answers every caller. ``batcher.py`` is the
-textbook batcher; the server runs it with four refinements, each a subclass overriding one of
-its hooks and each switchable by its setting: load tiers (``tiers.py``), length grouping
-(``grouping.py``), length buckets (``buckets.py``) and failure isolation (``isolation.py``).
+textbook batcher; the server runs it with five refinements, each a subclass overriding one of
+its hooks: load tiers (``tiers.py``), length grouping (``grouping.py``), length buckets
+(``buckets.py``), failure isolation (``isolation.py``) and busy slots (``slots.py``).
 
     make stage3   # MAX_BATCH_SIZE, MAX_BATCH_TOKENS, BATCH_WINDOW_MS, ... from the environment
 
@@ -29,16 +29,17 @@ from stage3_batching.batcher import Batcher, BatchRecord
 from stage3_batching.buckets import LengthBuckets
 from stage3_batching.grouping import GroupByLength
 from stage3_batching.isolation import IsolateFailures
+from stage3_batching.slots import BusySlots
 from stage3_batching.tiers import LoadTiers
 
 
 # --8<-- [start:compose]
-# NEW: the textbook batcher with the four refinements, in the order the chapter adds them (read
+# NEW: the textbook batcher with the five refinements, in the order the chapter adds them (read
 # right to left). Python's mixin idiom, as in socketserver's ThreadingTCPServer: a hook is looked
 # up left to right, and a refinement whose setting is off hands it on with super(). The settings:
 # BATCH_LOW_THRESHOLD=1 (no LOW tier), GROUP_BY_LENGTH=false, SPLIT_BY_LENGTH=false; failure
-# isolation has none, it is always on.
-class RefinedBatcher(IsolateFailures, LengthBuckets, GroupByLength, LoadTiers, Batcher):
+# isolation and busy slots have none, they are always on.
+class RefinedBatcher(BusySlots, IsolateFailures, LengthBuckets, GroupByLength, LoadTiers, Batcher):
     """The batcher stage 3 serves with (stages 4 and 5 too, through ``BatchingBackend``)."""
 
 
@@ -87,6 +88,11 @@ def make_backend(engine: Engine, settings: Settings) -> BatchingBackend:
 
 
 # --8<-- [start:routes]
+BATCHER_SETTINGS = ("max_batch_size", "max_batch_tokens", "batch_concurrency", "batch_window_ms",
+          "batch_window_high_ms", "batch_low_threshold", "batch_high_threshold", "group_by_length",
+          "group_window", "split_by_length", "call_overhead_tokens")  # fmt: skip
+
+
 def batcher_of(request: Request) -> Batcher:
     backend = getattr(request.app.state, "backend", None)
     batcher = getattr(backend, "batcher", None)
@@ -101,7 +107,8 @@ def add_batcher_routes(app: FastAPI) -> None:
     @app.get("/v1/batcher/config", tags=["batcher"])
     async def batcher_config(request: Request) -> Response:
         """The batching settings this server runs with."""
-        return json_response(batcher_of(request).config())
+        settings = batcher_of(request).settings
+        return json_response({key: getattr(settings, key) for key in BATCHER_SETTINGS})
 
     @app.get("/v1/batcher/metrics", tags=["batcher"])
     async def batcher_metrics(request: Request) -> Response:

@@ -18,26 +18,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from common.engine import TokenizedText
 from common.limits import APIError
 from common.settings import Settings
-from stage3_batching.pending import BatchOutcome, DeadlineExceeded, PendingRequest, QueuedText
+from stage3_batching.pending import BatchOutcome, Computed, DeadlineExceeded, PendingRequest, QueuedText
 from stage3_batching.stats import BatcherStats, BatchRecord
 
 __all__ = ["BatchOutcome", "BatchRecord", "Batcher", "BatcherStats", "Computed", "DeadlineExceeded"]
 log = logging.getLogger("embedserve.batcher")
-CONFIG = ("max_batch_size", "max_batch_tokens", "batch_concurrency", "batch_window_ms",
-          "batch_low_threshold", "batch_high_threshold", "group_by_length", "group_window",
-          "split_by_length", "call_overhead_tokens")  # fmt: skip
 
 
 def fits(n: int, longest: int, s: Settings) -> bool:
@@ -62,7 +58,8 @@ class Batcher:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._in_flight = 0
+        self._in_flight = 0  # batches handed to the model slots (running, or ready for a slot)
+        self._in_flight_texts = 0  # the texts in them
 
     async def submit(self, tokens: Sequence[TokenizedText], *, deadline: float | None = None) -> BatchOutcome:
         """Queue the texts, wait for all their vectors (in order)."""
@@ -98,9 +95,6 @@ class Batcher:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def config(self) -> dict[str, Any]:
-        return {key: getattr(self.settings, key) for key in CONFIG}
-
     def tier(self, depth: int) -> str:
         """The load tier a batch counts under. One here: every batch may wait the window, what
         ``LoadTiers`` (tiers.py) calls MEDIUM."""
@@ -110,11 +104,20 @@ class Batcher:
         """How long a batch may wait for more texts, counted from its oldest text's arrival."""
         return self.settings.batch_window_ms / 1e3
 
+    def batch_limit(self) -> int:
+        """Most texts the next batch may take."""
+        return self.settings.max_batch_size
+
+    def batches_at_once(self) -> int:
+        """Batches handed to the model slots at once: one per slot."""
+        return self.settings.batch_concurrency
+
     async def start(self) -> None:
         # A thread per model slot: BATCH_CONCURRENCY batches side by side, no more.
         slots = self.settings.batch_concurrency
         self._pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="batcher")
-        self._task = asyncio.create_task(self._loop(asyncio.Semaphore(slots)), name="batcher")
+        dispatch = asyncio.Semaphore(self.batches_at_once())
+        self._task = asyncio.create_task(self._loop(dispatch), name="batcher")
 
     async def close(self) -> None:
         """Finish everything already queued, then stop."""
@@ -147,6 +150,8 @@ class Batcher:
                 if batch:
                     for text in batch:
                         text.req.taken += 1  # in a batch now: a deadline no longer stops it
+                    self._in_flight += 1
+                    self._in_flight_texts += len(batch)
                     task = asyncio.create_task(self._run_in_slot(batch, tier, slots))
                     running.add(task)
                     task.add_done_callback(running.discard)
@@ -181,9 +186,10 @@ class Batcher:
     # --8<-- [start:take]
     def _take(self) -> list[QueuedText]:
         """The next batch: the oldest texts that fit MAX_BATCH_SIZE and MAX_BATCH_TOKENS."""
+        limit = self.batch_limit()
         batch: list[QueuedText] = []
         longest = 0
-        while self._queue:
+        while self._queue and len(batch) < limit:
             text = self._queue[0]
             if not self._still_wanted(text):
                 self._queue.popleft()
@@ -213,15 +219,14 @@ class Batcher:
         except Exception as exc:  # answer this batch's callers; the loop keeps serving
             _fail(batch, exc)
         finally:
+            self._in_flight -= 1
+            self._in_flight_texts -= len(batch)
             slots.release()
 
     async def _run_batch(self, batch: list[QueuedText], tier: str) -> None:
         started = time.perf_counter()
-        self._in_flight += 1
-        try:  # NEW: the model runs in an executor thread; the event loop keeps serving
-            done = await asyncio.get_running_loop().run_in_executor(self._pool, self._compute, batch)
-        finally:
-            self._in_flight -= 1
+        # NEW: the model runs in an executor thread; the event loop keeps serving
+        done = await asyncio.get_running_loop().run_in_executor(self._pool, self._timed, batch)
         record = BatchRecord(
             size=len(batch),
             padded_tokens=done.padded_tokens,
@@ -231,6 +236,9 @@ class Batcher:
             inference_ms=(time.perf_counter() - started) * 1e3,
             error=next((type(e).__name__ for e in done.errors.values()), None),
             calls=done.calls,
+            started=started,
+            slot=done.slot,
+            model_s=done.model_s,
         )
         for row, text in enumerate(batch):  # hand each caller its rows
             if done.vectors is None or row in done.errors:
@@ -245,6 +253,13 @@ class Batcher:
                 log.exception("on_batch observer failed")
 
     # --8<-- [end:run]
+
+    def _timed(self, batch: list[QueuedText]) -> Computed:
+        """Executor thread: ``_compute``, and which slot ran it for how long (slot utilisation)."""
+        started = time.perf_counter()
+        done = self._compute(batch)
+        done.model_s, done.slot = time.perf_counter() - started, threading.current_thread().name
+        return done
 
     # --8<-- [start:compute]
     def _compute(self, batch: list[QueuedText]) -> Computed:
@@ -269,22 +284,6 @@ class Batcher:
         return vectors
 
     # --8<-- [end:compute]
-
-
-@dataclass(slots=True)
-class Computed:
-    """One batch's result, filled in by the model thread: vectors by row, errors by row."""
-
-    n: int
-    padded_tokens: int = 0  # rows x longest row, summed over the calls
-    calls: int = 0
-    vectors: np.ndarray | None = None
-    errors: dict[int, Exception] = field(default_factory=dict)
-
-    def put(self, rows: list[int], vectors: np.ndarray) -> None:
-        if self.vectors is None:
-            self.vectors = np.zeros((self.n, vectors.shape[1]), np.float32)
-        self.vectors[rows] = vectors
 
 
 def _fail(batch: list[QueuedText], exc: Exception) -> None:

@@ -30,7 +30,7 @@ class BatchOutcome:
 
     vectors: np.ndarray
     queue_ms: float  # longest wait of the caller's texts
-    inference_ms: float  # summed over the caller's batches
+    inference_ms: float  # from the start of the caller's first batch to the end of its last
     batch_sizes: list[int]
 
 
@@ -45,7 +45,8 @@ class PendingRequest:
     taken: int = 0  # texts taken into a batch: past that point a deadline lets them finish
     vectors: np.ndarray | None = None
     queue_ms: float = 0.0
-    inference_ms: float = 0.0
+    model_start: float = float("inf")  # perf_counter: the caller's first batch started
+    model_end: float = 0.0  # ... and its last batch ended
     batch_sizes: list[int] = field(default_factory=list)
     last_batch: BatchRecord | None = None
     timer: asyncio.TimerHandle | None = None
@@ -62,9 +63,11 @@ class PendingRequest:
         if self.last_batch is not batch:  # the caller's first text in this batch
             self.last_batch = batch
             self.batch_sizes.append(batch.size)
-            self.inference_ms += batch.inference_ms
+            self.model_start = min(self.model_start, batch.started)
+            self.model_end = max(self.model_end, batch.started + batch.inference_ms / 1e3)
         if self.left == 0:
-            outcome = BatchOutcome(self.vectors, self.queue_ms, self.inference_ms, self.batch_sizes)
+            model_ms = (self.model_end - self.model_start) * 1e3  # batches side by side overlap
+            outcome = BatchOutcome(self.vectors, self.queue_ms, model_ms, self.batch_sizes)
             self.future.set_result(outcome)
 
     def fail(self, exc: BaseException) -> None:
@@ -83,3 +86,21 @@ class QueuedText:
     index: int
     ids: np.ndarray
     n_tokens: int
+
+
+@dataclass(slots=True)
+class Computed:
+    """One batch's result, filled in by the model thread: vectors by row, errors by row."""
+
+    n: int
+    padded_tokens: int = 0  # rows x longest row, summed over the calls
+    calls: int = 0
+    vectors: np.ndarray | None = None
+    errors: dict[int, Exception] = field(default_factory=dict)
+    slot: str = ""  # the model slot (executor thread) that ran it
+    model_s: float = 0.0  # how long that slot was busy with it
+
+    def put(self, rows: list[int], vectors: np.ndarray) -> None:
+        if self.vectors is None:
+            self.vectors = np.zeros((self.n, vectors.shape[1]), np.float32)
+        self.vectors[rows] = vectors

@@ -20,6 +20,9 @@ class BatchRecord:
     inference_ms: float
     error: str | None  # exception type name when the model raised
     calls: int = 1  # model calls the batch ran as (length buckets, failure isolation)
+    started: float = 0.0  # perf_counter when it was handed to the model
+    slot: str = ""  # the model slot (executor thread) that ran it
+    model_s: float = 0.0  # seconds that slot was busy with it
 
 
 @dataclass(slots=True)
@@ -33,6 +36,7 @@ class BatcherStats:
     skipped_texts: int = 0  # cancelled or past their deadline, dropped before the model
     tiers: Counter[str] = field(default_factory=Counter)
     sizes: Counter[int] = field(default_factory=Counter)
+    slot_busy_s: dict[str, float] = field(default_factory=dict)  # model slot -> seconds it computed
 
     def add(self, record: BatchRecord) -> None:
         self.batches += 1
@@ -43,6 +47,7 @@ class BatcherStats:
         self.failed_batches += record.error is not None
         self.tiers[record.tier] += 1
         self.sizes[record.size] += 1
+        self.slot_busy_s[record.slot] = self.slot_busy_s.get(record.slot, 0.0) + record.model_s
 
     @property
     def padding_ratio(self) -> float:
@@ -62,4 +67,5 @@ class BatcherStats:
             "padding_ratio": round(self.padding_ratio, 4),
             "failed_batches": self.failed_batches,
             "skipped_texts": self.skipped_texts,
+            "slot_busy_s": {slot: round(s, 3) for slot, s in sorted(self.slot_busy_s.items())},
         }

@@ -3,8 +3,9 @@
 The textbook batcher lets every batch wait up to BATCH_WINDOW_MS for company, which a request
 that is alone in the server pays for nothing. Here the queue depth right now (what the load
 *is*) picks the tier: below BATCH_LOW_THRESHOLD queued texts the batch is LOW and goes at once;
-MEDIUM and HIGH (from BATCH_HIGH_THRESHOLD on, counted apart to show saturation) wait up to the
-window. BATCH_LOW_THRESHOLD=1 turns the LOW tier off (the textbook behaviour).
+MEDIUM waits up to BATCH_WINDOW_MS, HIGH (from BATCH_HIGH_THRESHOLD queued texts on) up to its own
+BATCH_WINDOW_HIGH_MS: a deep queue is where waiting for a fuller batch can pay. BATCH_LOW_THRESHOLD=1
+turns the LOW tier off (the textbook behaviour).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ class LoadTiers(Batcher):
         return "medium" if depth < self.settings.batch_high_threshold else "high"
 
     def window_s(self, tier: str) -> float:
-        # NEW: a lone request is not held hostage for friends that may never come.
-        return 0.0 if tier == "low" else super().window_s(tier)
+        if tier == "low":  # NEW: a lone request is not held hostage for friends that may never come
+            return 0.0
+        if tier == "high":  # NEW: a window of its own where the queue is deep
+            return self.settings.batch_window_high_ms / 1e3
+        return super().window_s(tier)
 
 
 # --8<-- [end:tiers]

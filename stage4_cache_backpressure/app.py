@@ -129,7 +129,8 @@ class CacheBackend(BatchingBackend):
             # 3. Redis tier, looked up once for this request and for every follower
             todo = answer.fill(lead, await self._from_redis(keys, lead))
             if todo:
-                # 4. admission: past the deadline already, 504; the queue full, 503 (or 429) now
+                # 4. admission: past the deadline already, 504; the queue full, 503 (or 429) now,
+                # before the tokenizer runs: a refusal should cost as little as possible
                 _check_deadline(job)
                 self.admission.check(len(todo))
                 # 5. stage 3's batcher, with the request's deadline; the misses, and only them,
@@ -160,6 +161,7 @@ class CacheBackend(BatchingBackend):
     async def _submit(self, tokens: list[TokenizedText], job: EmbedJob) -> BatchOutcome:
         """Step 5: a text still queued when the deadline passes (504) or when the client hangs up
         (499) is dropped, never run."""
+        self.admission.check(len(tokens))  # again: a long input was tokenized in a thread meanwhile
         work = self.batcher.submit(tokens, deadline=job.deadline)
         try:
             if job.request is None:

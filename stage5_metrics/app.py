@@ -114,6 +114,7 @@ class MetricsBackend(CacheBackend):
                 "disconnect": s["disconnects"],
             },
             dropped_texts=self.batcher.stats.as_dict()["skipped_texts"],  # /v1/batcher/metrics' count
+            slot_busy_s={name.rsplit("_", 1)[-1]: s for name, s in self.batcher.stats.slot_busy_s.items()},
             info={"model": self.engine.model_name, "dimensions": str(self.engine.dimensions)},
         )
 

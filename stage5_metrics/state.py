@@ -38,10 +38,13 @@ class State:
         default_factory=lambda: dict.fromkeys(("overload", "deadline", "disconnect"), 0)
     )
     dropped_texts: int = 0
+    slot_busy_s: dict[str, float] = field(default_factory=dict)  # model slot -> seconds computing
     info: dict[str, str] = field(default_factory=dict)
 
 
-def _counter(name: str, doc: str, label: str, values: dict[str, int] | int) -> CounterMetricFamily:
+def _counter(
+    name: str, doc: str, label: str, values: dict[str, int] | dict[str, float] | int
+) -> CounterMetricFamily:
     family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=[label] if label else None)
     for value_label, value in values.items() if isinstance(values, dict) else [("", values)]:
         family.add_metric([value_label] if label else [], value)
@@ -80,6 +83,8 @@ class StateCollector(Collector):
              "disconnect (client left).", "reason", s.rejected),
             ("dropped_texts", "Queued texts skipped before the model (caller cancelled or deadline passed).",
              "", s.dropped_texts),
+            ("model_slot_busy_seconds", "Seconds each model slot spent computing; its rate is the slot's "
+             "utilisation (1.0: never idle).", "slot", s.slot_busy_s),
         ):  # fmt: skip
             yield _counter(name, doc, label, values)
         if s.info:

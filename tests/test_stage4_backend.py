@@ -242,11 +242,21 @@ async def test_duplicates_inside_one_request_are_computed_once(make: Any, engine
     )
 
 
+async def _occupy(backend: CacheBackend, engine: Engine) -> list[asyncio.Future[Any]]:
+    """With the gate closed: the model slot busy, and the batch the batcher keeps ready for it
+    taken too (stage 3's BusySlots), so the texts of the next request wait in the queue."""
+    blockers: list[asyncio.Future[Any]] = []
+    while backend.batcher.in_flight < backend.batcher.batches_at_once():
+        blockers.append(asyncio.ensure_future(backend.embed(_job(engine, [_new("blocker")]))))
+        n = len(blockers)
+        await _until(lambda n=n: backend.batcher.in_flight >= n)
+    return blockers
+
+
 async def test_follower_outlives_a_leader_whose_deadline_passed(make: Any, engine: Engine) -> None:
     backend, gated = await make()
     gated.gate.clear()
-    blocker = asyncio.ensure_future(backend.embed(_job(engine, [_new("blocker")])))
-    await _until(lambda: backend.batcher.in_flight == 1)  # the model is busy (held by the gate)
+    blockers = await _occupy(backend, engine)  # the model is busy (held by the gate)
     text = [_new("shared text")]
     leader = asyncio.ensure_future(backend.embed(_job(engine, text, deadline=time.monotonic() + 0.05)))
     follower = asyncio.ensure_future(backend.embed(_job(engine, text, deadline=time.monotonic() + 60)))
@@ -254,7 +264,7 @@ async def test_follower_outlives_a_leader_whose_deadline_passed(make: Any, engin
         await leader
     assert err.value.status == 504
     gated.gate.set()
-    await blocker
+    await asyncio.gather(*blockers)
     result = await follower  # retried as its own leader after the first one gave up
     assert np.allclose(result.vectors, _expected(engine, text), atol=1e-5)
     assert backend.stats.deadline_exceeded == 1
@@ -263,36 +273,36 @@ async def test_follower_outlives_a_leader_whose_deadline_passed(make: Any, engin
 # --- the bounded queue ----------------------------------------------------------------
 @pytest.mark.parametrize("status", [503, 429])
 async def test_full_queue_answers_at_once_with_retry_after(make: Any, engine: Engine, status: int) -> None:
-    backend, gated = await make(max_queue=3, overload_status=status)
+    backend, gated = await make(max_queue=4, overload_status=status)
     gated.gate.clear()
-    running = asyncio.ensure_future(backend.embed(_job(engine, [_new("running")])))
-    await _until(lambda: backend.batcher.in_flight == 1)
+    running = await _occupy(backend, engine)
+    waiting = backend.batcher.queue_depth  # the blocker handed over ahead: queued until a slot frees
+    assert waiting == 1
     queued = asyncio.ensure_future(backend.embed(_job(engine, [_new("q1"), _new("q2"), _new("q3")])))
-    await _until(lambda: backend.batcher.queue_depth == 3)
+    await _until(lambda: backend.batcher.queue_depth == 4)
     started = time.perf_counter()
     with pytest.raises(APIError) as err:
         await backend.embed(_job(engine, [_new("one too many")]))
     assert time.perf_counter() - started < 1.0  # refused without waiting for the model
     assert err.value.status == status and int(err.value.headers["Retry-After"]) >= 1
-    assert "MAX_QUEUE=3" in err.value.message
+    assert "MAX_QUEUE=4" in err.value.message
     assert backend.stats.rejected == 1
     gated.gate.set()
-    await asyncio.gather(running, queued)
-    assert sum(gated.calls) == 4  # the refused text never reached the model
+    await asyncio.gather(*running, queued)
+    assert sum(gated.calls) == len(running) + 3  # the refused text never reached the model
 
 
 async def test_deadline_passing_in_the_queue_is_504_before_the_model(make: Any, engine: Engine) -> None:
     backend, gated = await make()
     gated.gate.clear()
-    running = asyncio.ensure_future(backend.embed(_job(engine, [_new("running")])))
-    await _until(lambda: backend.batcher.in_flight == 1)
+    running = await _occupy(backend, engine)
     with pytest.raises(APIError) as err:
         await backend.embed(_job(engine, [_new("late")], deadline=time.monotonic() + 0.05))
     assert err.value.status == 504
     gated.gate.set()
-    await running
+    await asyncio.gather(*running)
     await backend.embed(_job(engine, [_new("after")]))
-    assert gated.calls == [1, 1]  # "late" was dropped before the model
+    assert gated.calls == [1] * (len(running) + 1)  # "late" was dropped before the model
     assert backend.stats.deadline_exceeded == 1
 
 

@@ -96,12 +96,14 @@ def test_fifty_concurrent_requests_for_one_new_text_run_the_model_once(
 
 # --- deadlines and disconnects ----------------------------------------------------------
 class _Blocker:
-    """Batches of long passages that keep every model slot busy for a while (cache bypassed)."""
+    """Batches of long passages that keep every model slot busy for a while (cache bypassed),
+    and the batch stage 3 keeps ready for the next free slot (BusySlots): what comes next waits
+    in the queue."""
 
     def __init__(self, url: str, n: int = 32) -> None:
         self.slots = int(_metrics(url, "/v1/batcher/config")["batch_concurrency"])
         self.url = url
-        self.requests = [_new(n, kind="passage") for _ in range(self.slots)]  # one batch per slot
+        self.requests = [_new(n, kind="passage") for _ in range(self.slots + 1)]  # slots + the ready one
         self.texts = [t for texts in self.requests for t in texts]
         self.before = _metrics(url, "/v1/batcher/metrics")["texts"]
         self.result: list[httpx.Response] = []
@@ -115,13 +117,14 @@ class _Blocker:
         ]
         for thread in self.threads:
             thread.start()
-        _wait(lambda: _metrics(self.url, "/v1/batcher/metrics")["in_flight"] == self.slots)
+        _wait(lambda: _metrics(self.url, "/v1/batcher/metrics")["in_flight"] == self.slots + 1)
+        self.queued = int(_metrics(self.url)["queue_depth"])  # blocker texts that did not fit
         return self
 
     def __exit__(self, *exc: object) -> None:
         for thread in self.threads:
             thread.join(timeout=240)
-        assert len(self.result) == self.slots and all(r.status_code == 200 for r in self.result)
+        assert len(self.result) == len(self.requests) and all(r.status_code == 200 for r in self.result)
 
     def texts_run_since(self) -> int:
         return int(_metrics(self.url, "/v1/batcher/metrics")["texts"]) - int(self.before)
@@ -150,7 +153,7 @@ def test_client_that_disconnects_is_dropped_before_inference(stage_server: Any) 
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        _wait(lambda: _metrics(url)["queue_depth"] == 1)  # queued behind the blocker
+        _wait(lambda: _metrics(url)["queue_depth"] == blocker.queued + 1)  # queued behind the blocker
         sock.close()
         _wait(lambda: _metrics(url)["disconnects"] == before + 1)
     assert blocker.texts_run_since() == len(blocker.texts)

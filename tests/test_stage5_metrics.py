@@ -129,6 +129,7 @@ def test_labels_are_bounded(server: Server) -> None:
                 "le",
                 "model",
                 "dimensions",
+                "slot",
                 "by",
             }
     routes = {dict(labels).get("route") for (name, labels) in samples if name == "embedserve_requests_total"}
@@ -178,6 +179,8 @@ def test_json_views_after_traffic(server: Server) -> None:
             answers = await asyncio.gather(*(client.post("/v1/embed", json=b) for b in bodies))
             return [a.status_code for a in answers]
 
+    warm = httpx.post(f"{server.url}/v1/embed", json={"inputs": repeated}, timeout=60)  # later: hits
+    assert warm.status_code == 200
     assert asyncio.run(burst()) == [200] * 24
     metrics = httpx.get(f"{server.url}/v1/metrics").json()
     dashboard = httpx.get(f"{server.url}/v1/dashboard").json()
@@ -193,15 +196,19 @@ def test_json_views_after_traffic(server: Server) -> None:
             assert view["savings"]["model_s_spent"] > 0
             assert view["requests_per_s"] > 0
     # The JSON views count embedding requests only: their own polls do not inflate them.
-    assert metrics["since_start"]["requests"] - start["since_start"]["requests"] == 24
-    assert metrics["since_start"]["texts"] - start["since_start"]["texts"] == 72
-    # 21 repeats of three texts: cache hits or de-duplicated, never computed twice
+    assert metrics["since_start"]["requests"] - start["since_start"]["requests"] == 1 + 24  # warm + burst
+    assert metrics["since_start"]["texts"] - start["since_start"]["texts"] == 3 + 72
+    # 24 repeats of three texts, computed by the warm-up: cache hits, never computed again
     hits = metrics["since_start"]["cache"]["hits"] - start["since_start"]["cache"]["hits"]
     dedup = metrics["since_start"]["cache"]["deduplicated"] - start["since_start"]["cache"]["deduplicated"]
-    assert hits + dedup == 21
+    assert hits + dedup == 24 and hits > 0
     assert metrics["now"]["queue_depth"] == 0 and metrics["now"]["tier"] == "low"
     # 5-second points since the server started (at most 5 minutes of them)
     assert dashboard["step_s"] == 5 and 1 <= len(dashboard["series"]) <= 60
+    deadline = time.monotonic() + 15  # a 5-second step is drawn once it is 2 s old
+    while sum(p["requests_per_s"] for p in dashboard["series"][-13:]) == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        dashboard = httpx.get(f"{server.url}/v1/dashboard").json()
     recent = dashboard["series"][-13:]  # the last minute, at least
     assert sum(p["requests_per_s"] for p in recent) > 0
     assert any(p["p99_ms"] is not None for p in recent)
