@@ -60,12 +60,13 @@ clean:
 # QUICK=1: the short form (seconds per point). RECORD=1: write docs/results/ and docs/img/ (the
 # committed evidence), from a clean tree only unless ALLOW_DIRTY=1 (the stamp then says so).
 STAGE ?= 5
+WEB_PORT ?= 8089
 PROFILE ?= unique-32
 DURATION ?= 30
 EVIDENCE = $(if $(QUICK),--quick) $(if $(RECORD),--record) $(if $(ALLOW_DIRTY),--allow-dirty)
 .PHONY: results loadtest loadtest-headless loadtest-screenshots compare bench bench-stage0 bench-stage2 \
 	bench-stage3 bench-stage3-refinements bench-stage4 bench-stage5 stage5-overhead bench-layers \
-	dashboard-screenshot quant-study settings-doc evidence-check
+	dashboard-screenshot quant-study settings-doc evidence-check docs-outputs bench-cost-model
 
 ## results: every results file, table and plot the docs include, in order (QUICK=1: briefly, into out/)
 results: setup browser
@@ -75,9 +76,9 @@ results: setup browser
 evidence-check: $(VENV)/.installed
 	$(PY) -m benchmarks.evidence_check
 
-## loadtest: Locust's web UI on http://127.0.0.1:8089 against HOST:PORT (starts stage STAGE if nothing answers)
+## loadtest: Locust's web UI on port WEB_PORT against HOST:PORT (starts stage STAGE if nothing answers)
 loadtest: setup
-	$(PY) -m loadtests.run --stage $(STAGE) $(ARGS)
+	$(PY) -m loadtests.run --stage $(STAGE) --web-port $(WEB_PORT) $(ARGS)
 
 ## loadtest-headless: one fixed profile (PROFILE, DURATION s) against stage STAGE; CSV/JSON in out/loadtest/
 loadtest-headless: setup
@@ -132,6 +133,14 @@ dashboard-screenshot: setup browser
 bench-layers: setup
 	$(PY) -m benchmarks.layers $(EVIDENCE) $(ARGS)
 
+## bench-cost-model: the cost model's constants and its prediction for every stage (~2 min; QUICK=1 ~30 s)
+bench-cost-model: setup
+	$(PY) -m benchmarks.cost_model $(EVIDENCE) $(ARGS)
+
+## docs-outputs: what the commands in the chapters print, captured against fresh servers (~2 min)
+docs-outputs: setup
+	$(PY) -m benchmarks.docs_outputs $(EVIDENCE) $(if $(ONLY),--only $(ONLY)) $(ARGS)
+
 ## settings-doc: regenerate the settings table of docs/operating.md from common/settings.py
 settings-doc: $(VENV)/.installed
 	$(PY) -m benchmarks.settings_doc
@@ -139,9 +148,11 @@ settings-doc: $(VENV)/.installed
 # --- docs site (docs/) -------------------------------------------------------------------
 .PHONY: docs docs-build
 
-## docs: serve the tutorial site on http://127.0.0.1:8001 (rebuilds on save)
+DOCS_PORT ?= 8001
+
+## docs: serve the tutorial site on 127.0.0.1:DOCS_PORT (rebuilds on save)
 docs: $(VENV)/.installed
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve -a 127.0.0.1:8001
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve -a 127.0.0.1:$(DOCS_PORT)
 
 ## docs-build: build the site strictly into site/ (what the docs test does in a temporary folder)
 docs-build: $(VENV)/.installed
@@ -167,15 +178,27 @@ reliability: setup
 
 # --- exercises: build the key piece of stages 2, 3 and 4 yourself (exercises/README.md) -------
 # The stage's own tests, run against your file (or, with SOLUTION=1, against the stage itself).
+# Stage 2: the server tests, serving exercises/stage2_threadpool (STAGES).
 EXERCISE_TESTS_2 := tests/test_event_loop.py tests/test_contract.py tests/test_equivalence.py
 EXERCISE_STAGE_2 := stage2_threadpool
+# Stage 3: the batcher tests of the textbook Batcher, not those of the refinements (EXERCISE=1: the
+# tests take your Batcher, tests/exercise_pieces.py). EXERCISE_ONLY_N: pytest -k, which of them.
+EXERCISE_TESTS_3 := tests/test_batcher.py
+EXERCISE_ONLY_3 := (textbook or Batcher-False or Batcher-True or False-Batcher) and not Refined and not Isolated
+EXERCISE_STAGE_3 := stage3_batching
+# Stage 4: the LRU's tests, then stage 4's backend holding your LRU, single-flight and admission check
+# (all its tests but the drain's).
+EXERCISE_TESTS_4 := tests/test_stage4_cache.py tests/test_stage4_backend.py
+EXERCISE_ONLY_4 := lru or (test_stage4_backend and not drain)
+EXERCISE_STAGE_4 := stage4_cache_backpressure
 .PHONY: exercise
 
 ## exercise: run stage STAGE's own tests against exercises/ (SOLUTION=1: against the stage itself)
 exercise: setup
 	@test -n "$(EXERCISE_TESTS_$(STAGE))" || (echo "STAGE=$(STAGE): exercises exist for stages 2, 3 and 4" >&2; exit 2)
 	STAGES=$(if $(SOLUTION),,exercises.)$(EXERCISE_STAGE_$(STAGE)) $(if $(SOLUTION),,EXERCISE=1) \
-		$(PY) -m pytest -p no:cacheprovider -q $(if $(SOLUTION),,-x) $(EXERCISE_TESTS_$(STAGE)) $(ARGS)
+		$(PY) -m pytest -p no:cacheprovider -q $(if $(SOLUTION),,-x) $(EXERCISE_TESTS_$(STAGE)) \
+		$(if $(EXERCISE_ONLY_$(STAGE)),-k "$(EXERCISE_ONLY_$(STAGE))") $(ARGS)
 
 # --- beyond one machine: Ray Serve across nodes, the image, the fleet (docs/beyond.md) ----------
 .PHONY: cluster cluster-down cluster-status prometheus bench-cluster

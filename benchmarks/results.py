@@ -100,6 +100,22 @@ STEPS: tuple[Step, ...] = (
         6,
     ),
     Step(
+        "cost-model",
+        "the cost model's constants, its prediction beside layers and compare",
+        "benchmarks.cost_model",
+        ("cost_model.json",),
+        2,
+        0.5,
+    ),
+    Step(
+        "docs-outputs",
+        "what the chapters' commands print, against fresh servers",
+        "benchmarks.docs_outputs",
+        ("outputs.json",),
+        2,
+        2,
+    ),
+    Step(
         "screenshots", "Locust's web UI, pictures", "loadtests.ui_screenshot", ("locust_ui.json",), 1.5, 0.7
     ),
     Step(
@@ -208,6 +224,8 @@ PAGES: tuple[Page, ...] = (
         images=("dashboard.png",),
     ),
     Page("layers.json", "layers.md", "benchmarks.layers:markdown"),
+    Page("cost_model.json", "cost_model.md", "benchmarks.cost_model:markdown"),
+    Page("outputs.json", "outputs.md", "benchmarks.docs_outputs:markdown"),  # and outputs/<name>.txt
     Page("beyond.json", "beyond.md", "benchmarks.beyond:markdown"),
     Page("pipeline.json", "pipeline.md", "benchmarks.results:markdown"),  # the pipeline's own timings
 )

@@ -1,0 +1,281 @@
+"""What the commands in the chapters print, captured from real runs (`make docs-outputs`).
+
+    python -m benchmarks.docs_outputs                 # every output, into out/results/outputs/
+    python -m benchmarks.docs_outputs --record        # into docs/results/outputs/ (what the chapters show)
+    python -m benchmarks.docs_outputs --only stage1-embed,stage1-health
+    python -m benchmarks.docs_outputs --list          # the manifest: name, stage, command
+
+``OUTPUTS`` below is the manifest: one ``Output`` per command a chapter shows. For each, the stage
+it needs is started as ``make stageN`` starts it (``loadtests.procs``, on a free port, with the
+output's settings), the command runs in bash from the repository root with ``URL`` set to that
+server, and ``outputs/<name>.txt`` gets the command line (``$ `` before it) and what it printed,
+with long lists of numbers cut (an embedding is 384 of them). A chapter includes the file inside
+a fence::
+
+    ```console
+    --8<-- "docs/results/outputs/stage1-embed.txt"
+    ```
+
+``outputs.json`` (stamped like every results file) holds every output's text too, and
+``tests/test_docs_outputs.py`` runs each command again and checks that it prints the same
+*shape*: the same lines once numbers, hex ids and timings are masked (``shape``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.serve import resolve
+from loadtests import evidence
+from loadtests.procs import redis_server, running_stage
+from loadtests.tables import page, table
+
+FOLDER = "outputs"  # under the results folder: docs/results/outputs/<name>.txt
+KEEP = 3  # numbers kept from a long list, the rest counted
+
+
+@dataclass(frozen=True)
+class Output:
+    """One command a chapter shows, and what it needs to run."""
+
+    name: str  # the file: outputs/<name>.txt (lower case, digits and dashes)
+    command: str  # bash, run from the repository root; a server's address is in $URL
+    stage: str | None = None  # "stage1" .. "stage5" (or a module such as "benchmarks.null_backend")
+    env: Mapping[str, str] = field(default_factory=dict)  # the server's settings (its environment)
+    redis: bool = False  # a private Redis: CACHE_URL for the server, REDIS_URL for the command
+    setup: str = ""  # bash run first against the same server, not shown (say so in the chapter)
+    session: str | None = None  # outputs with the same session share one server, in manifest order
+    exit_codes: tuple[int, ...] = (0,)  # what the command may exit with
+    timeout_s: float = 120.0
+
+
+_POST = "curl -s $URL/v1/embed -H 'content-type: application/json'"
+# A request long enough to keep the model busy for a while: 64 passages of about 200 words.
+_LONG = (
+    '.venv/bin/python -c \'import json; print(json.dumps({"inputs": ["many words " * 100] * 64}))\' |\n'
+    "  curl -s -o /dev/null -w 'embed answered after %{time_total} s\\n' $URL/v1/embed \\\n"
+    "       -H 'content-type: application/json' -d @- &\n"
+    "sleep 0.5   # the long request is in the model now\n"
+    "curl -s -o /dev/null -w 'health answered after %{time_total} s\\n' $URL/health\n"
+    "wait"
+)
+
+# --8<-- [start:manifest]
+OUTPUTS: tuple[Output, ...] = (
+    # stage 0: the model files and the script
+    Output("stage0-sizes", "du -h models/all-MiniLM-L6-v2/*/model.onnx"),
+    Output(
+        "stage0-summary",
+        'make stage0 ARGS=\'--summary "How do I reset my password?" "I forgot my login password."\'',
+    ),
+    Output("stage0-vectors", "make stage0 ARGS='\"a first text\"'"),
+    # stage 1: a script pays for the model load on every run; the server pays once
+    Output("stage1-script-time", "time make stage0 ARGS='--summary \"a first text\"'"),
+    Output("stage1-health", "curl -s $URL/health; echo\ncurl -s $URL/ready; echo", stage="stage1"),
+    Output(
+        "stage1-embed",
+        _POST + ' \\\n     -d \'{"inputs": ["a first text", "a second one"]}\'; echo',
+        stage="stage1",
+    ),
+    Output(
+        "stage1-headers",
+        "curl -s -D - -o /dev/null $URL/v1/embed -H 'content-type: application/json' \\\n"
+        "     -d '{\"inputs\": [\"a first text\"]}' | grep -i '^x-'",
+        stage="stage1",
+    ),
+    Output("stage1-bad-input", _POST + ' -d \'{"input": ["a text"]}\'; echo', stage="stage1"),
+    Output("stage1-blocked", _LONG, stage="stage1"),
+    # stage 2: the same long request, and /health answered meanwhile
+    Output("stage2-not-blocked", _LONG, stage="stage2"),
+)
+# --8<-- [end:manifest]
+
+
+# --- running a command -------------------------------------------------------------------
+_NUMBER_LIST = re.compile(rf"\[\s*(?:-?\d[\d.eE+-]*\s*,\s*){{{KEEP},}}-?\d[\d.eE+-]*\s*\]")
+
+
+def cut(text: str, keep: int = KEEP) -> str:
+    """Long lists of numbers (vectors) shortened to their first ``keep`` and a count of the rest."""
+
+    def shorten(m: re.Match[str]) -> str:
+        values = [v.strip() for v in m.group(0)[1:-1].split(",")]
+        if len(values) <= keep + 1:
+            return m.group(0)
+        return f"[{', '.join(values[:keep])}, … {len(values) - keep} more]"
+
+    return _NUMBER_LIST.sub(shorten, text)
+
+
+def shown(command: str) -> str:
+    """The command as a chapter shows it: a prompt before the first line."""
+    return "$ " + command
+
+
+def _command_env(url: str | None, redis_url: str | None) -> dict[str, str]:
+    # A `make` started from `make results` would otherwise print "make[1]: Entering directory".
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    env.pop("URL", None)
+    if url:
+        env["URL"] = url
+    if redis_url:
+        env["REDIS_URL"] = redis_url
+    return env
+
+
+def run_command(output: Output, url: str | None, redis_url: str | None = None) -> dict[str, Any]:
+    """Run ``output.command`` (after its setup); what it printed, cut, and how it exited."""
+    env = _command_env(url, redis_url)
+    if output.setup:
+        subprocess.run(["bash", "-c", output.setup], cwd=evidence.REPO, env=env, capture_output=True,
+                       timeout=output.timeout_s, check=True)  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(
+        ["bash", "-c", output.command],
+        cwd=evidence.REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=output.timeout_s,
+    )
+    printed = cut(done.stdout.rstrip("\n"))
+    if done.returncode not in output.exit_codes:
+        raise RuntimeError(f"{output.name}: exit {done.returncode}\n{shown(output.command)}\n{printed}")
+    return {
+        "name": output.name,
+        "stage": output.stage,
+        "env": dict(output.env),
+        "command": output.command,
+        "exit_code": done.returncode,
+        "seconds": round(time.monotonic() - started, 2),
+        "text": f"{shown(output.command)}\n{printed}\n",
+    }
+
+
+def _start(output: Output, stack: ExitStack) -> tuple[str | None, str | None]:
+    """(URL, Redis URL) for ``output``: its stage started (and a private Redis), or nothing;
+    ``stack`` stops them."""
+    redis_url = stack.enter_context(redis_server()).url if output.redis else None
+    if output.stage is None:
+        return None, redis_url
+    env = {**output.env, **({"CACHE_URL": redis_url} if redis_url else {})}
+    logs = evidence.OUT / "logs" / "docs_outputs"
+    # The reader's own API_KEY must not reach the server: the chapters' commands send none.
+    server = stack.enter_context(running_stage(resolve(output.stage), logs, env, without=("API_KEY",)))
+    return server.url, redis_url
+
+
+def capture(outputs: Sequence[Output]) -> Iterator[dict[str, Any]]:
+    """Each output's run, in manifest order: a fresh server each, except that the outputs of one
+    ``session`` share theirs (started for the first of them, stopped at the end)."""
+    with ExitStack() as sessions:
+        shared: dict[tuple[Any, ...], tuple[str | None, str | None]] = {}
+        for output in outputs:
+            if output.session is None:
+                with ExitStack() as stack:
+                    yield run_command(output, *_start(output, stack))
+                continue
+            key = (output.session, output.stage, tuple(sorted(output.env.items())), output.redis)
+            if key not in shared:
+                shared[key] = _start(output, sessions)
+            yield run_command(output, *shared[key])
+
+
+# --- shape: what a fresh run must keep ---------------------------------------------------
+_MASKS = (
+    (re.compile(r"\b[0-9a-f]{8,}\b"), "#"),  # request ids, digests
+    (re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"), "#"),  # every number: values, timings, sizes
+)
+
+
+def shape(text: str) -> list[str]:
+    """The lines of ``text`` with numbers, hex ids and timings masked, trailing spaces dropped."""
+    lines = []
+    for line in text.rstrip("\n").splitlines():
+        for pattern, mask in _MASKS:
+            line = pattern.sub(mask, line)
+        lines.append(line.rstrip())
+    return lines
+
+
+# --- the results page --------------------------------------------------------------------
+def markdown(result: dict[str, Any]) -> str:
+    """outputs.md: which command each captured output ran, against what."""
+    rows = []
+    for o in result["outputs"]:
+        settings = " ".join(f"{k}={v}" for k, v in o["env"].items())
+        first = o["command"].splitlines()[0]
+        rows.append((f"`{o['name']}`", o["stage"] or "–", settings or "defaults", f"`{first[:60]}`"))
+    listing = table(["output", "stage", "settings", "command (first line)"], rows, "llll")
+    return page(result["stamp"], {"outputs": listing}) + "\n"
+
+
+def write(result: dict[str, Any], results_dir: Path) -> list[Path]:
+    """outputs.json, outputs.md and one outputs/<name>.txt per output."""
+    folder = results_dir / FOLDER
+    written = [evidence.write_text(folder / f"{o['name']}.txt", o["text"]) for o in result["outputs"]]
+    written.append(evidence.write_json(results_dir / "outputs.json", result))
+    written.append(evidence.write_text(results_dir / "outputs.md", markdown(result)))
+    return written
+
+
+def merge(earlier: dict[str, Any] | None, fresh: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every output in manifest order: this run's, else an earlier run's (``--only``)."""
+    by_name = {o["name"]: o for o in (earlier or {}).get("outputs", [])}
+    by_name.update({o["name"]: o for o in fresh})
+    return [by_name[o.name] for o in OUTPUTS if o.name in by_name]
+
+
+def select(only: str | None) -> list[Output]:
+    if not only:
+        return list(OUTPUTS)
+    wanted = {n.strip() for n in only.split(",") if n.strip()}
+    unknown = sorted(wanted - {o.name for o in OUTPUTS})
+    if unknown:
+        raise SystemExit(f"unknown output(s) {unknown}; `--list` shows them")
+    return [o for o in OUTPUTS if o.name in wanted]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", help="comma-separated output names (the others are kept)")
+    parser.add_argument("--list", action="store_true", help="print the manifest and stop")
+    parser.add_argument(
+        "--out", type=Path, help="results folder (default: out/results, docs/results with --record)"
+    )
+    evidence.add_arguments(parser)  # --quick is accepted for `make results`; the commands are short anyway
+    args = parser.parse_args(argv)
+    if args.list:
+        for o in OUTPUTS:
+            print(f"{o.name:24s} {o.stage or '-':8s} {o.command.splitlines()[0]}")
+        return 0
+    run = evidence.start("benchmarks.docs_outputs", args, argv)
+    folder = args.out or run.results_dir
+    fresh = []
+    for done in capture(select(args.only)):
+        print(done["text"], flush=True)
+        fresh.append(done)
+    earlier_path = folder / "outputs.json"
+    earlier = json.loads(earlier_path.read_text()) if args.only and earlier_path.is_file() else None
+    result = {"stamp": run.stamp(), "outputs": merge(earlier, fresh)}
+    for path in write(result, folder):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""What the chapters show a command printing is what it prints today (benchmarks/docs_outputs.py).
+
+Every captured output is run again, against a freshly started stage, and must keep its *shape*:
+the same lines once numbers, hex ids and timings are masked. A changed route, header, message or
+log line fails here; a different latency does not.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import docs_outputs
+from benchmarks.docs_outputs import OUTPUTS, cut, shape
+from loadtests import evidence
+
+FOLDER = evidence.RESULTS / docs_outputs.FOLDER
+
+
+def test_long_vectors_are_cut_and_short_lists_kept() -> None:
+    vector = "[" + ",".join(f"{i / 1000:.4f}" for i in range(384)) + "]"
+    text = '{"embeddings":[' + vector + '],"truncated":[false],"pair":[1,2]}'
+    short = "[0.0000, 0.0010, 0.0020, … 381 more]"
+    assert cut(text) == '{"embeddings":[' + short + '],"truncated":[false],"pair":[1,2]}'
+    assert cut("[1, 2, 3, 4]") == "[1, 2, 3, 4]"  # one more than kept: nothing to gain
+
+
+def test_the_shape_masks_numbers_ids_and_timings_and_nothing_else() -> None:
+    one = "embed answered after 0.731 s\nrequest 5f3a9c01d2e4b6a7 took 12 ms"
+    two = "embed answered after 1.2 s\nrequest 0000aaaa1111bbbb took 3 ms"
+    assert shape(one) == shape(two) == ["embed answered after # s", "request # took # ms"]
+    assert shape(one) != shape(one.replace("embed", "health"))  # a word changed
+    assert shape(one) != shape(one + "\nanother line")  # a line added
+    assert shape(one) != shape("\n".join(reversed(one.splitlines())))  # the order changed
+
+
+def test_the_manifest_names_are_files_and_unique() -> None:
+    names = [o.name for o in OUTPUTS]
+    assert len(names) == len(set(names))
+    assert all(n.replace("-", "").isalnum() and n == n.lower() for n in names), names
+
+
+def test_every_output_is_captured_and_nothing_else() -> None:
+    """outputs/<name>.txt for every manifest entry, the same text as outputs.json holds."""
+    recorded = json.loads((evidence.RESULTS / "outputs.json").read_text())
+    by_name = {o["name"]: o for o in recorded["outputs"]}
+    assert sorted(by_name) == sorted(o.name for o in OUTPUTS), "run `make docs-outputs RECORD=1`"
+    for output in OUTPUTS:
+        assert (FOLDER / f"{output.name}.txt").read_text() == by_name[output.name]["text"]
+        assert by_name[output.name]["command"] == output.command, f"{output.name}: the command changed"
+    assert sorted(p.stem for p in FOLDER.glob("*.txt")) == sorted(by_name)
+
+
+@pytest.mark.timeout(1200)
+def test_every_captured_command_prints_the_same_shape_today() -> None:
+    differ = []
+    for fresh in docs_outputs.capture(OUTPUTS):
+        committed = (FOLDER / f"{fresh['name']}.txt").read_text()
+        if shape(fresh["text"]) != shape(committed):
+            differ.append(f"--- {fresh['name']}: committed\n{committed}--- today\n{fresh['text']}")
+    assert not differ, "run `make docs-outputs RECORD=1` if the change is right:\n" + "\n".join(differ)
