@@ -61,6 +61,7 @@ class Batcher:
         self._in_flight = 0  # batches handed to the model slots (running, or ready for a slot)
         self._in_flight_texts = 0  # the texts in them
 
+    # --8<-- [start:submit_method]
     async def submit(self, tokens: Sequence[TokenizedText], *, deadline: float | None = None) -> BatchOutcome:
         """Queue the texts, wait for all their vectors (in order)."""
         if self._closing or self._task is None or self._task.done():
@@ -79,6 +80,8 @@ class Batcher:
         finally:
             if req.timer is not None:
                 req.timer.cancel()
+
+    # --8<-- [end:submit_method]
 
     def _expire(self, req: PendingRequest) -> None:
         if req.taken == 0:  # still wholly queued; texts already in the model finish normally
@@ -160,6 +163,7 @@ class Batcher:
                 _fail(batch, exc)
             slots.release()  # nothing to run: every caller in it was gone
 
+    # --8<-- [start:wait]
     async def _wait_for_batch(self) -> str | None:
         """Wait for a first text, then up to the window for a full batch. None: closing, queue empty."""
         while not self._queue:
@@ -180,6 +184,8 @@ class Batcher:
             await self._wakeup.wait()  # a full batch, the window's end, or close()
             timer.cancel()
         return tier
+
+    # --8<-- [end:wait]
 
     # --8<-- [end:loop]
 
@@ -240,11 +246,13 @@ class Batcher:
             slot=done.slot,
             model_s=done.model_s,
         )
+        # --8<-- [start:fanout]
         for row, text in enumerate(batch):  # hand each caller its rows
             if done.vectors is None or row in done.errors:
                 text.req.fail(done.errors[row])
             else:
                 text.req.deliver(text.index, done.vectors[row], record, record.queue_ms[row])
+        # --8<-- [end:fanout]
         self.stats.add(record)
         if self._on_batch is not None:
             try:

@@ -27,6 +27,7 @@ from stage3_batching.pending import QueuedText
 class BusySlots(Batcher):
     _waiting = 0  # texts of the batch handed over ahead, not in a slot yet
 
+    # --8<-- [start:share]
     def batch_limit(self) -> int:
         limit = super().batch_limit()
         if self.window_s(self.tier(self.queue_depth)) > 0:
@@ -37,6 +38,8 @@ class BusySlots(Batcher):
 
     def batches_at_once(self) -> int:
         return super().batches_at_once() + 1  # NEW: the next batch waits at the pool, ready
+
+    # --8<-- [end:share]
 
     @property
     def queue_depth(self) -> int:

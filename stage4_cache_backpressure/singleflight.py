@@ -28,6 +28,7 @@ class SingleFlight(Generic[T]):
     def __len__(self) -> int:
         return len(self._flights)
 
+    # --8<-- [start:join]
     def join(self, key: str) -> asyncio.Future[T] | None:
         """None: the caller leads (and must ``resolve`` or ``fail``). A future: the caller follows."""
         flight = self._flights.get(key)
@@ -35,6 +36,8 @@ class SingleFlight(Generic[T]):
             return flight
         self._flights[key] = asyncio.get_running_loop().create_future()
         return None
+
+    # --8<-- [end:join]
 
     def resolve(self, key: str, value: T) -> None:
         flight = self._flights.pop(key, None)

@@ -121,9 +121,12 @@ class Metrics:
     # --8<-- [end:metrics]
 
     # --8<-- [start:requests]
+    # --8<-- [start:observe]
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, status).inc()
         self.duration.labels(route).observe(seconds)
+
+    # --8<-- [end:observe]
 
     def observe_result(self, texts: int, tokens: int, queue_s: float | None, saved_by_cache_s: float) -> None:
         self.texts.inc(texts)

@@ -74,6 +74,7 @@ class TelemetryMiddleware:
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
 
+    # --8<-- [start:call]
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -100,6 +101,8 @@ class TelemetryMiddleware:
             raise
         finally:  # also when cancelled: the server gave up on the request, logged as 499
             finish(self.metrics, scope, record, status, time.perf_counter() - started)
+
+    # --8<-- [end:call]
 
 
 # --8<-- [end:middleware]
