@@ -57,6 +57,7 @@ class Output:
     setup: str = ""  # bash run first against the same server, not shown (say so in the chapter)
     session: str | None = None  # outputs with the same session share one server, in manifest order
     exit_codes: tuple[int, ...] = (0,)  # what the command may exit with
+    any_order: bool = False  # its lines may come in any order (two commands that end together)
     timeout_s: float = 120.0
 
 
@@ -95,9 +96,88 @@ OUTPUTS: tuple[Output, ...] = (
         stage="stage1",
     ),
     Output("stage1-bad-input", _POST + ' -d \'{"input": ["a text"]}\'; echo', stage="stage1"),
-    Output("stage1-blocked", _LONG, stage="stage1"),
+    Output("stage1-blocked", _LONG, stage="stage1", any_order=True),  # both answers come together
     # stage 2: the same long request, and /health answered meanwhile
     Output("stage2-not-blocked", _LONG, stage="stage2"),
+    # stage 3: 32 requests at once, on stage 2 (one model call each) and on stage 3 (batches)
+    Output(
+        "stage3-without",
+        r"""curl -s -Z -o /dev/null \
+     -w '%header{x-total-time} ms in all, %header{x-inference-time} ms in the model\n' \
+     -H 'content-type: application/json' -d '{"inputs": ["a sentence sent by 32 clients at once"]}' \
+     "$URL/v1/embed?[1-32]" | sort -n | sed -n '1p;16p;32p'""",
+        stage="stage2",
+    ),
+    Output(
+        "stage3-run",
+        r"""curl -s -Z -o /dev/null \
+     -w '%header{x-total-time} ms in all, %header{x-queue-time} ms queued, batch of %header{x-batch-size}\n' \
+     -H 'content-type: application/json' -d '{"inputs": ["a sentence sent by 32 clients at once"]}' \
+     "$URL/v1/embed?[1-32]" | sort -n | sed -n '1p;16p;32p'
+curl -s $URL/v1/batcher/metrics | python3 -c 'import json, sys; m = json.load(sys.stdin)
+print({k: m[k] for k in ("texts", "batches", "model_calls", "average_batch_size", "tiers")})'""",
+        stage="stage3",
+    ),
+    # stage 4: what stage 3 lacks (a cache, a bound), then the cache, the bound and a 504 by hand
+    Output(
+        "stage4-without-cache",
+        r"""for i in 1 2 3; do
+  curl -s -o /dev/null -w '%header{x-inference-time} ms in the model\n' $URL/v1/embed \
+       -H 'content-type: application/json' -d '{"inputs": ["the same sentence, sent again"]}'
+done""",
+        stage="stage3",
+    ),
+    Output(
+        "stage4-without-bound",
+        r"""passage=$(python3 -c 'print("a long passage of words " * 40)')
+curl -s -Z --parallel-max 200 -o /dev/null -w '%{http_code} after %{time_total} s\n' \
+     -H 'content-type: application/json' -d "{\"inputs\": [\"$passage\"]}" \
+     "$URL/v1/embed?[1-200]" | sort -k3 -n | sed -n '1p;100p;200p'""",
+        stage="stage3",
+    ),
+    Output(
+        "stage4-run",
+        r"""for i in 1 2 3; do
+  curl -s -o /dev/null -w '%header{x-cache}: %header{x-inference-time} ms in the model\n' $URL/v1/embed \
+       -H 'content-type: application/json' -d '{"inputs": ["the same sentence, sent again"]}'
+done
+curl -s -Z -o /dev/null -H 'content-type: application/json' \
+     -d '{"inputs": ["a new sentence that 32 clients want at once"]}' "$URL/v1/embed?[1-32]"
+curl -s $URL/v1/cache/metrics | python3 -c 'import json, sys; m = json.load(sys.stdin)
+print({"hits": m["cache"]["hits"], "deduplicated": m["deduplicated"], "rejected": m["rejected"]})'""",
+        stage="stage4",
+    ),
+    Output(
+        "stage4-run-bound",
+        r"""passage=$(python3 -c 'print("a long passage of words " * 40)')
+curl -s -Z --parallel-max 200 -o /dev/null -w '%{http_code}\n' -H 'content-type: application/json' \
+     -d "{\"inputs\": [\"$passage\"]}" "$URL/v1/embed?[1-200]" | sort | uniq -c""",
+        stage="stage4",
+        env={"MAX_QUEUE": "4"},
+    ),
+    Output(
+        "stage4-run-504",
+        r"""curl -s -H 'X-Request-Timeout: 0.000001' \
+     -H 'content-type: application/json' \
+     -d '{"inputs": ["a text that is not in the cache yet"]}' $URL/v1/embed; echo""",
+        stage="stage4",
+    ),
+    # stage 5: what stage 4 can tell, then what stage 5 counts
+    Output(
+        "stage5-without",
+        r"""curl -s -o /dev/null -w 'GET /metrics: %{http_code}\n' $URL/metrics
+curl -s $URL/v1/cache/metrics | python3 -c 'import json, sys; print(sorted(json.load(sys.stdin)))'""",
+        stage="stage4",
+    ),
+    Output(
+        "stage5-run",
+        r"""curl -s -Z -o /dev/null -H 'content-type: application/json' \
+     -d '{"inputs": ["a sentence sent by 32 clients at once"]}' "$URL/v1/embed?[1-32]"
+curl -s $URL/metrics | grep -E '^embedserve_(requests_total\{route="/v1/embed"|batches_total|queue_depth)'
+curl -s $URL/v1/metrics | python3 -c 'import json, sys; m = json.load(sys.stdin)
+print(sorted(m), sorted(m["last_minute"]))'""",
+        stage="stage5",
+    ),
 )
 # --8<-- [end:manifest]
 
@@ -208,6 +288,12 @@ def shape(text: str) -> list[str]:
             line = pattern.sub(mask, line)
         lines.append(line.rstrip())
     return lines
+
+
+def same_shape(output: Output, fresh: str, committed: str) -> bool:
+    """Does a fresh run print what was captured, numbers aside (in any order, if allowed)?"""
+    a, b = shape(fresh), shape(committed)
+    return sorted(a) == sorted(b) if output.any_order else a == b
 
 
 # --- the results page --------------------------------------------------------------------
