@@ -232,7 +232,9 @@ def unsourced_numbers(chapters: Iterable[Path], sources: Sources) -> list[str]:
 
 
 def chapters(docs: Path = DOCS) -> list[Path]:
-    return sorted(p for p in docs.glob("*.md") if not p.name.startswith("_"))
+    """Every page a reader sees: the chapters and the lab notes (docs/lab/), not the results."""
+    pages = [*docs.glob("*.md"), *docs.glob("lab/*.md")]
+    return sorted(p for p in pages if not p.name.startswith("_"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
