@@ -39,6 +39,10 @@ stage1 stage2 stage3 stage4 stage5: setup
 browser:
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
+## wrk: Debian's wrk, the C load generator of bench-layers and bench-flood (loadtests/wrk.py)
+wrk:
+	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk >/dev/null)
+
 ## test: the whole suite against the real model, real sockets, real Redis, real browser
 test: setup browser prometheus
 	$(PY) -m pytest
@@ -65,11 +69,11 @@ PROFILE ?= unique-32
 DURATION ?= 30
 EVIDENCE = $(if $(QUICK),--quick) $(if $(RECORD),--record) $(if $(ALLOW_DIRTY),--allow-dirty)
 .PHONY: results loadtest loadtest-headless loadtest-screenshots compare bench bench-stage0 bench-stage2 \
-	bench-stage3 bench-stage3-refinements bench-stage4 bench-stage5 stage5-overhead bench-layers \
+	bench-stage3 bench-stage3-refinements bench-stage4 bench-stage5 stage5-overhead bench-layers bench-flood wrk \
 	dashboard-screenshot quant-study settings-doc evidence-check docs-outputs bench-cost-model
 
 ## results: every results file, table and plot the docs include, in order (QUICK=1: briefly, into out/)
-results: setup browser
+results: setup browser wrk
 	$(PY) -m benchmarks.results $(EVIDENCE) $(if $(ONLY),--only $(ONLY)) $(if $(FROM),--from $(FROM))
 
 ## evidence-check: is docs/results/ current (stamped, clean, today's defaults), and is every prose number in it
@@ -130,8 +134,12 @@ dashboard-screenshot: setup browser
 	$(PY) -m benchmarks.stage5_screenshot $(EVIDENCE) $(ARGS)
 
 ## bench-layers: stages 2, 3 and 5 in turns on all-unique texts, the engine as yardstick (~6 min; QUICK=1 ~1 min)
-bench-layers: setup
+bench-layers: setup wrk
 	$(PY) -m benchmarks.layers $(EVIDENCE) $(ARGS)
+
+## bench-flood: stage 5 under a 200-client flood, polite and impolite clients, by SHED_DELAY_MS (~6 min)
+bench-flood: setup wrk
+	$(PY) -m benchmarks.flood $(EVIDENCE) $(ARGS)
 
 ## bench-cost-model: the cost model's constants and its prediction for every stage (~2 min; QUICK=1 ~30 s)
 bench-cost-model: setup

@@ -12,8 +12,10 @@ instead of one per request). This experiment measures exactly that:
 
 * the three servers run at once with their default settings, and take turns under the same
   closed-loop load (A B C, A B C, ... and the medians), so a drift of the machine hits all alike;
-* at 1, 32 and 128 connections, one new 12-20 word sentence per request;
-* per point: requests/s, p50 and p99, and the server's CPU in cores (of the machine's two);
+* at 1, 32 and 128 connections of ``wrk`` (the kit's C load generator: the Python one would take
+  a third of a core from the server), one new 12-20 word sentence per request;
+* per point: requests/s, p50 and p99, the server's CPU in cores (of the machine's two) and, for the
+  stages with a batcher, the share of the interval each model slot spent computing;
 * the engine alone on the same kind of texts (tokenize, model, normalize; no HTTP) is the
   yardstick: how close each stage gets to what the model can do on this machine.
 
@@ -30,11 +32,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 
 from benchmarks.compare import engine_ceiling
-from benchmarks.stage3 import bodies_for, load
-from loadtests import evidence
+from benchmarks.stage3 import bodies_for
+from loadtests import evidence, wrk
 from loadtests.harness import process_cpu, settle
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, table
@@ -43,14 +46,27 @@ STAGES = ("stage2_threadpool", "stage3_batching", "stage5_metrics")
 SHORT = {"stage2_threadpool": "stage 2", "stage3_batching": "stage 3", "stage5_metrics": "stage 5"}
 
 
+def _slots_busy(url: str) -> dict[str, float]:
+    """Seconds each model slot has computed so far (stages with a batcher), else nothing."""
+    try:
+        return dict(httpx.get(f"{url}/v1/batcher/metrics", timeout=10).json()["slot_busy_s"])
+    except (httpx.HTTPError, KeyError, ValueError):
+        return {}
+
+
 def _point(server: Any, clients: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One measured interval after a warm-up: throughput, latency, and the server's cores."""
-    bodies = bodies_for("sentence", 40_000 if clients > 1 else 8_000, seed=seed)  # never seen before
-    load(server.port, bodies[::-1], clients, args.warmup, warmup=0.001)  # warm-up on other texts
+    """One measured interval after a warm-up: throughput, latency, the server's cores, slot use."""
+    bodies = bodies_for("sentence", 60_000 if clients > 1 else 10_000, seed=seed)  # never seen before
+    wrk.run(server.url, bodies[::-1], clients, args.warmup)  # warm-up on other texts
     process = psutil.Process(server.pid)
-    cpu = process_cpu(process)
-    point = load(server.port, bodies, clients, args.duration, warmup=0.001)
+    cpu, busy = process_cpu(process), _slots_busy(server.url)
+    point = wrk.run(server.url, bodies, clients, args.duration)
     point["server_cores"] = round((process_cpu(process) - cpu) / args.duration, 2)
+    after = _slots_busy(server.url)
+    if after:  # the share of the interval each model slot spent computing
+        point["slot_utilisation"] = {
+            s: round((after[s] - busy.get(s, 0.0)) / args.duration, 3) for s in sorted(after)
+        }
     return point
 
 
@@ -90,13 +106,18 @@ def summarize(
     for n in clients:
         row: dict[str, Any] = {}
         for stage in stages:
-            mine = [p for p in points if p["clients"] == n and p["stage"] == stage]
+            mine = [p for p in points if p["connections"] == n and p["stage"] == stage]
             row[stage] = {
                 key: statistics.median(p[key] for p in mine)
                 for key in ("requests_per_s", "p50_ms", "p99_ms", "server_cores")
                 if mine and all(p.get(key) is not None for p in mine)
             }
-            row[stage]["errors"] = sum(p["errors"] for p in mine)
+            row[stage]["errors"] = sum(p["socket_errors"] + round(p["non_2xx_per_s"]) for p in mine)
+            slots = [p["slot_utilisation"] for p in mine if p.get("slot_utilisation")]
+            if slots:
+                row[stage]["slot_utilisation"] = {
+                    s: statistics.median(u.get(s, 0.0) for u in slots) for s in sorted(slots[0])
+                }
             row[stage]["of_ceiling"] = round(row[stage]["requests_per_s"] / ceiling, 4)
         base = row.get(stages[0])
         for stage in stages[1:]:
@@ -136,10 +157,14 @@ def markdown(result: dict[str, Any]) -> str:
             m = row[s]
             detail_rows.append((
                 n, SHORT.get(s, s), num(m.get("p50_ms"), 1), num(m.get("p99_ms"), 1),
-                num(m.get("server_cores"), 2), m["errors"],
+                num(m.get("server_cores"), 2),
+                " / ".join(f"{100 * u:.0f} %" for u in m.get("slot_utilisation", {}).values()) or "-",
+                m["errors"],
             ))  # fmt: skip
     detail = table(
-        ["connections", "stage", "p50 ms", "p99 ms", "server cores", "errors"], detail_rows, align="rlrrrr"
+        ["connections", "stage", "p50 ms", "p99 ms", "server cores", "model slots busy", "errors"],
+        detail_rows,
+        align="rlrrrrr",
     )
     return page(result["stamp"], {"ratios": ratios, "detail": detail}, note) + "\n"
 

@@ -118,6 +118,13 @@ class Settings(BaseSettings):
     cache_timeout_ms: float = Field(50.0, gt=0, description="Longest wait for Redis before failing open.")
     max_queue: int = Field(1024, ge=1, description="Most texts waiting for the model; more gets 503.")
     overload_status: Literal[503, 429] = Field(503, description="Status code for a full queue.")
+    shed_delay_ms: float = Field(
+        50.0,
+        ge=0,
+        description="While the queue is full, how long a refused request waits for its 503: a client "
+        "that sends again at once is slowed down, so refusals leave the cores to admitted work "
+        "(measured in the stage 4 chapter).",
+    )
     request_timeout_s: float = Field(
         30.0, gt=0, description="Default deadline; `X-Request-Timeout` overrides it per request."
     )

@@ -104,13 +104,16 @@ async def closed_loop(
     timeout: float = 60.0,
     pause_after_error: float = 0.05,
     record: Callable[[Answer], None] | None = None,
+    honour_retry_after: bool = False,
 ) -> list[Answer]:
     """``clients`` clients, each sending its next request as soon as the last one is answered.
 
     Runs for ``seconds``, or until ``stop`` is set (each client cycling through ``requests`` from
     its own offset), or, with neither, until every request has been sent once. ``keep_alive=False``
     opens a new connection per request. After a request with no answer a client waits
-    ``pause_after_error`` (a refused connection answers at once: do not spin).
+    ``pause_after_error`` (a refused connection answers at once: do not spin). With
+    ``honour_retry_after`` a client that gets 503 or 429 waits the answer's Retry-After seconds
+    before it sends again, as a polite client does.
     """
     answers: list[Answer] = []
     keep = record or answers.append
@@ -137,6 +140,8 @@ async def closed_loop(
                 keep(answer)
                 if answer.status == 0 and pause_after_error > 0:
                     await asyncio.sleep(pause_after_error)
+                elif honour_retry_after and answer.status in (429, 503):
+                    await asyncio.sleep(float(answer.headers.get("retry-after", "1")))
         finally:
             client.close()
 

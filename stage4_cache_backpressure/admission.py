@@ -23,6 +23,14 @@ class Admission:
         self.max_queue, self.status, self._depth = max_queue, status, depth
         self.drain_rate = 0.0  # texts per second the model clears, a moving average
 
+    def depth(self) -> int:
+        """Texts waiting for the model now."""
+        return self._depth()
+
+    def full(self) -> bool:
+        """No room for even one more text (``shed.py`` refuses new requests unread)."""
+        return self._depth() >= self.max_queue
+
     def check(self, n: int) -> None:
         """Raise the overload error if ``n`` more texts would overflow the queue; never wait."""
         depth = self._depth()

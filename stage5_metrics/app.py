@@ -24,6 +24,7 @@ from common.settings import Settings, get_settings
 from stage3_batching.app import add_batcher_routes
 from stage3_batching.batcher import BatchRecord
 from stage4_cache_backpressure.app import CacheBackend, add_cache_routes
+from stage4_cache_backpressure.shed import ShedWhenFull
 from stage5_metrics.dashboard import add_dashboard_routes
 from stage5_metrics.logs import configure_logging, flush_logs
 from stage5_metrics.metrics import Metrics
@@ -141,6 +142,7 @@ def build_app(settings: Settings | None = None) -> FastAPI:
     )
     add_batcher_routes(app)
     add_cache_routes(app)
+    app.add_middleware(ShedWhenFull, state=app.state)  # stage 4's: a full queue refuses unread
     add_dashboard_routes(app, metrics, window)  # NEW: /metrics, /v1/metrics, /v1/dashboard, /dashboard
     app.add_middleware(TelemetryMiddleware, metrics=metrics)  # NEW: outermost, so it sees every answer
     return app

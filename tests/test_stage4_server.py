@@ -7,6 +7,7 @@ is an upper bound of minutes.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import socket
 import time
@@ -293,3 +294,49 @@ def test_sigterm_finishes_every_admitted_request_and_closes_the_pool(
         log = server.log()
         assert "draining" in log and "redis cache pool closed" in log
         assert log.index("draining") < log.index("redis cache pool closed")
+
+
+def test_a_full_queue_refuses_unread_after_the_shed_delay(server_factory: Any) -> None:
+    """While the queue is full, a request is refused before its body is read (shed.py): the client
+    here sends its headers and never the body it announces, and still gets its 503, after
+    SHED_DELAY_MS, in the API's error shape, with Retry-After."""
+    import threading
+
+    env = {"MAX_QUEUE": "4", "SHED_DELAY_MS": "200", "BATCH_CONCURRENCY": "1"}
+    with server_factory(STAGE, env) as server:
+        url = server.url
+        before = _metrics(url)["rejected"]
+        host, port = urlsplit(url).hostname, urlsplit(url).port
+        blockers = [_new(32, kind="passage"), _new(8, kind="passage")]  # the slot, the batch ready for it
+        answers: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda b=b: answers.append(_embed(url, b))) for b in blockers]
+        threads[0].start()
+        _wait(lambda: _metrics(url, "/v1/batcher/metrics")["in_flight"] == 1)
+        threads[1].start()
+        _wait(lambda: _metrics(url, "/v1/batcher/metrics")["in_flight"] == 2)
+        assert _metrics(url)["queue_depth"] >= 4  # full: the batch waiting for the slot counts
+        with socket.create_connection((host, port), timeout=30) as sock:
+            started = time.monotonic()
+            sock.sendall(
+                b"POST /v1/embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000\r\n\r\n"  # ... and not a byte of it
+            )
+            data = b""
+            while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+                re.search(rb"content-length: (\d+)", data.lower()).group(1)  # type: ignore[union-attr]
+            ):
+                data += sock.recv(65536)
+                if b"\r\n\r\n" in data and b"content-length" not in data.lower():
+                    break
+            waited = time.monotonic() - started
+            head, _, body = data.partition(b"\r\n\r\n")
+        for thread in threads:
+            thread.join(timeout=240)
+        assert [r.status_code for r in answers] == [200, 200]
+        lines = head.decode().split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+        assert lines[0].split(" ")[1] == "503"
+        assert 0.15 <= waited < 5.0  # SHED_DELAY_MS (asyncio's timers may fire a hair early)
+        assert int(headers["retry-after"]) >= 1
+        assert orjson.loads(body)["error"]["type"] == "overloaded_error"
+        assert _metrics(url)["rejected"] == before + 1
