@@ -7,7 +7,8 @@ with the Redis tier shared by both replicas, stopped with ``make cluster-down``.
 2. placement (one replica a node) and the shared cache (a text computed by one replica is a
    Redis hit on the other);
 3. one Prometheus, the shipped configuration, scraping every replica;
-4. the worker node killed (SIGKILL, its raylet and its replica) under a steady load: every
+4. the proxy's own refusals (a tiny queue, redeployed for one test) in the API's JSON error shape;
+5. the worker node killed (SIGKILL, its raylet and its replica) under a steady load: every
    request answered, failures only among those in flight, a retry gets 200, then the node comes
    back and a replica with it.
 """
@@ -206,7 +207,36 @@ def test_prometheus_scrapes_every_replica_with_the_shipped_config(cluster: Clust
         process.wait(timeout=30)
 
 
-# --- 4. a node lost under load, and back -----------------------------------------------------------
+# --- 4. the proxy's own refusals ------------------------------------------------------------------
+async def _flood(url: str, n: int, texts: int) -> list[httpx.Response]:
+    body = {"inputs": [" ".join(fresh_texts(8)) for _ in range(texts)]}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        return list(await asyncio.gather(*(client.post("/v1/embed", json=body) for _ in range(n))))
+
+
+def test_the_proxys_own_refusal_is_the_apis_json_error(cluster: Cluster) -> None:
+    """A tiny queue in the proxy (one request a replica, two waiting): the rest are refused by Ray
+    itself, in the API's error shape, with Retry-After; nothing else but 200."""
+    small = {**cluster.env, "CLUSTER_MAX_ONGOING_REQUESTS": "1", "CLUSTER_MAX_QUEUED_REQUESTS": "2"}
+    done = subprocess.run(
+        [".venv/bin/python", "-m", "deploy.ray.cluster", "redeploy"], cwd=REPO, env=small, capture_output=True
+    )
+    try:
+        assert done.returncode == 0, done.stderr[-3000:]
+        answers = asyncio.run(_flood(cluster.url, 40, 16))
+        statuses = [r.status_code for r in answers]
+        refused = [r for r in answers if r.status_code == 503]
+        assert set(statuses) <= {200, 503} and refused and 200 in statuses, statuses
+        for r in refused:
+            error = r.json()["error"]
+            assert error["code"] == 503 and r.headers["retry-after"] == "1"
+        assert any(r.json()["error"]["message"].startswith("overloaded:") for r in refused)
+    finally:
+        back = cluster.command(".venv/bin/python", "-m", "deploy.ray.cluster", "redeploy")
+        assert "redeployed" in back
+
+
+# --- 5. a node lost under load, and back -----------------------------------------------------------
 @dataclass
 class Outcome:
     status: int  # 0: no answer at all
