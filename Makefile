@@ -142,7 +142,7 @@ bench-flood: setup wrk
 	$(PY) -m benchmarks.flood $(EVIDENCE) $(ARGS)
 
 ## bench-cost-model: the cost model's constants and its prediction for every stage (~2 min; QUICK=1 ~30 s)
-bench-cost-model: setup
+bench-cost-model: setup wrk
 	$(PY) -m benchmarks.cost_model $(EVIDENCE) $(ARGS)
 
 ## docs-outputs: what the commands in the chapters print, captured against fresh servers (~2 min)

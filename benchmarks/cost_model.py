@@ -17,8 +17,9 @@ the load tests):
 * ``tokenize_ms``: one text through the tokenizer; ``hop_ms``: one hand-off to a worker thread
   and back (``run_in_executor`` of a function that does nothing);
 * ``http``: the server with the real API contract and no model (``benchmarks/null_backend``)
-  over sockets at 1 and 32 connections: requests/s, and the server's and the client's CPU per
-  request (the client runs on the same cores, as in every load test here).
+  over sockets at 1 and 32 connections of ``wrk`` (as ``make bench-layers`` loads the stages):
+  requests/s, and the server's and the load generator's CPU per request (it runs on the same
+  cores, as in every load test here).
 
 From them, ``predict`` gives each stage's requests/s at 1 and 32 connections (formulas in its
 docstring), and the page puts the prediction beside what ``layers.json`` and ``compare.json``
@@ -30,6 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -42,9 +45,8 @@ import psutil
 from benchmarks.stage3 import bodies_for
 from common.engine import Engine
 from common.settings import Settings
-from loadtests import evidence
+from loadtests import evidence, wrk
 from loadtests.harness import process_cpu, settle
-from loadtests.httpload import post_requests, run_load
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, table
 from stage0_script import corpus
@@ -125,23 +127,31 @@ def _hop_ms(n: int, rounds: int) -> float:
     return statistics.median(per_round)
 
 
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished children (each ``wrk`` run, once it has exited)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def http_constants(seconds: float, warmup: float, logs: Path) -> dict[str, dict[str, float]]:
-    """The null backend over sockets: requests/s, and server and client CPU ms per request."""
-    requests = post_requests("/v1/embed", bodies_for("sentence", 20_000, seed=4242))
+    """The null backend over sockets under ``wrk`` (as ``make bench-layers`` loads the stages):
+    requests/s, and the server's and the load generator's CPU ms per request."""
+    bodies = bodies_for("sentence", 20_000, seed=4242)
+    measured_s = max(1, math.ceil(seconds))  # wrk runs whole seconds
     out = {}
     with running_stage(NULL_STAGE, logs) as server:
         for connections in CONNECTIONS:
             settle(server.pid, server.url)
-            run_load(server.host, server.port, requests[::-1], connections, warmup, warmup=0)
+            wrk.run(server.url, bodies[::-1], connections, warmup)  # warm-up on other texts
             process = psutil.Process(server.pid)
-            cpu = process_cpu(process)
-            point = run_load(server.host, server.port, requests, connections, seconds, warmup=0)
-            served = point["requests_per_s"] * seconds
+            cpu, client = process_cpu(process), _children_cpu()
+            point = wrk.run(server.url, bodies, connections, measured_s)
+            served = point["requests_per_s"] * measured_s
             out[str(connections)] = {
                 "requests_per_s": point["requests_per_s"],
                 "p50_ms": point["p50_ms"],
                 "server_cpu_ms": (process_cpu(process) - cpu) * 1e3 / served,
-                "client_cpu_ms": point["client_cpu_cores"] * 1e3 / point["requests_per_s"],
+                "client_cpu_ms": (_children_cpu() - client) * 1e3 / served,
             }
             print(json.dumps({"connections": connections, **out[str(connections)]}), flush=True)
     return out
@@ -256,21 +266,22 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "Predicted from the constants above; measured (req/s, one new sentence per request) by "
         + ("; ".join(sources) if sources else "nothing yet: run `make bench-layers` and `make compare` first")
-        + ". `layers` uses the light load generator of these constants, `compare` uses Locust,"
-        " which spends more CPU per request on the same cores.",
+        + ". `layers` loads the stages with `wrk`, as the constants were measured; `compare` uses"
+        " Locust, which spends more CPU per request on the same cores.",
     ]
     alone, batched = c["model_ms"], c["per_text_in_batch_ms"]
     share = 100 * (alone - batched) / alone
     saving = [
         f"A text costs the model {alone:.2f} ms alone and {batched:.2f} ms as one of {BATCH_K} sentences in"
-        f" one call: batching saves at most {alone - batched:.2f} ms a text ({share:.0f} %"
-        f" of the model's time). One more call costs {c['call_overhead_ms']:.2f} ms with rows of one length;"
-        " the rest of the difference is padding, which a batch of real sentences pays."
-    ]  # fmt: skip
+        f" one call: batching saves {alone - batched:.2f} ms a text ({share:.0f} % of the model's time)."
+        f" One more call costs {c['call_overhead_ms']:.2f} ms when the rows have one length, no padding:"
+        " the most a batch can save a text."
+    ]
+    h = http32["server_cpu_ms"]
     loop = [
-        f"Stage 3's event loop can carry {1e3 / http32['server_cpu_ms']:,.0f} requests/s; the model's"
-        f" share of the work fills it with {cores_until_the_loop_limits(c):.1f} cores, the client elsewhere."
-        f" This machine has {cores}."
+        f"Stage 3's event loop, one thread, spends {h:.2f} ms of CPU a request: it can carry at most"
+        f" {1e3 / h:,.0f} requests/s, a rate the cores reach with about {cores_until_the_loop_limits(c):.0f}"
+        f" cores (the load generator elsewhere). This machine has {cores}."
     ]
     return page(
         result["stamp"], {"constants": constants, "prediction": prediction, "batching": saving, "loop": loop}
