@@ -91,6 +91,7 @@ STEPS: tuple[Step, ...] = (
         0.6,
     ),
     Step("layers", "stages 2, 3 and 5 in turns on unique texts", "benchmarks.layers", ("layers.json",), 6, 1),
+    Step("windows", "stage 3: load-tier windows by load", "benchmarks.windows", ("windows.json",), 8, 1),
     Step("flood", "stage 5 under a flood, by SHED_DELAY_MS", "benchmarks.flood", ("flood.json",), 6, 1),
     Step(
         "compare",
@@ -226,6 +227,7 @@ PAGES: tuple[Page, ...] = (
     ),
     Page("layers.json", "layers.md", "benchmarks.layers:markdown"),
     Page("flood.json", "flood.md", "benchmarks.flood:markdown"),
+    Page("windows.json", "windows.md", "benchmarks.windows:markdown"),
     Page("cost_model.json", "cost_model.md", "benchmarks.cost_model:markdown"),
     Page("outputs.json", "outputs.md", "benchmarks.docs_outputs:markdown"),  # and outputs/<name>.txt
     Page("beyond.json", "beyond.md", "benchmarks.beyond:markdown"),
