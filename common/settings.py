@@ -96,12 +96,12 @@ class Settings(BaseSettings):
         96,
         ge=1,
         description="How many queued texts length grouping sorts at once; no text is overtaken by "
-        "more than this many later ones.",
+        "more than this many minus one later ones.",
     )
     split_by_length: bool = Field(
         True,
         description="Run a batch as several model calls of similar lengths when that saves more "
-        "padding than the calls cost; one request's texts always stay in one call.",
+        "padding than the calls cost; a request's texts in one batch stay in one call.",
     )
     call_overhead_tokens: int = Field(
         32, ge=0, description="Cost of one more model call, in padded tokens (for SPLIT_BY_LENGTH)."
@@ -111,12 +111,17 @@ class Settings(BaseSettings):
     cache_url: SecretStr | None = Field(
         None, description="redis:// or rediss:// URL of a shared cache; unset: in-process only."
     )
-    cache_enabled: bool = Field(True, description="Turn every cache tier off.")
+    cache_enabled: bool = Field(True, description="Use the cache tiers; false turns every tier off.")
     cache_max_items: int = Field(100_000, ge=0, description="In-process cache size, in entries.")
     cache_max_bytes: int = Field(256 * 2**20, ge=0, description="In-process cache size, in bytes.")
     cache_ttl_s: int = Field(3600, ge=1, description="Time to live of a cache entry.")
     cache_timeout_ms: float = Field(50.0, gt=0, description="Longest wait for Redis before failing open.")
-    max_queue: int = Field(1024, ge=1, description="Most texts waiting for the model; more gets 503.")
+    max_queue: int = Field(
+        1024,
+        ge=1,
+        description="Most texts waiting for a model slot; a request past it gets OVERLOAD_STATUS "
+        "(one larger than the bound still goes into an empty queue).",
+    )
     overload_status: Literal[503, 429] = Field(503, description="Status code for a full queue.")
     shed_delay_ms: float = Field(
         50.0,
