@@ -25,10 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
-import shutil
-import subprocess
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,7 +33,7 @@ from typing import Any
 import psutil
 
 from benchmarks.stage3 import bodies_for
-from loadtests import evidence
+from loadtests import evidence, wrk
 from loadtests.harness import process_cpu, settle
 from loadtests.httpload import closed_loop, percentile_ms, post_requests
 from loadtests.procs import running_stage
@@ -45,16 +41,6 @@ from loadtests.tables import num, page, table
 
 STAGE = "stage5_metrics"
 FLOOD = {"MAX_QUEUE": "8"}
-WRK_SCRIPT = """
-local bodies, i = {}, 0
-for line in io.lines(os.getenv("FLOOD_BODIES")) do bodies[#bodies + 1] = line end
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-request = function()
-  i = i + 1
-  return wrk.format(nil, "/v1/embed", nil, bodies[(i % #bodies) + 1])
-end
-"""
 
 
 def _cores(pid: int) -> tuple[psutil.Process, float, float]:
@@ -80,62 +66,47 @@ def _closed(server: Any, clients: int, seconds: float, seed: int, honour: bool) 
     }
 
 
-def _wrk(server: Any, clients: int, seconds: float, seed: int, folder: Path) -> dict[str, Any]:
+def _wrk(server: Any, clients: int, seconds: float, seed: int) -> dict[str, Any]:
     """``wrk`` with ``clients`` connections, each sending again at once, whatever the answer."""
-    bodies = folder / f"bodies-{seed}.jsonl"
-    bodies.write_bytes(b"\n".join(bodies_for("sentence", 60_000, seed=seed)))
-    script = folder / "flood.lua"
-    script.write_text(WRK_SCRIPT)
     process, cpu, started = _cores(server.pid)
-    done = subprocess.run(
-        ["wrk", "-t2", f"-c{clients}", f"-d{seconds:g}s", "--latency", "-s", str(script), server.url],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={"FLOOD_BODIES": str(bodies), "PATH": "/usr/bin:/bin"},
-    )
-    elapsed = time.perf_counter() - started
-    out = done.stdout
-    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
-    refused = int(m.group(1)) if (m := re.search(r"Non-2xx or 3xx responses: (\d+)", out)) else 0
+    out = wrk.run(server.url, bodies_for("sentence", 60_000, seed=seed), clients, seconds)
     return {
-        "ok_per_s": round((total - refused) / seconds, 1),
-        "refused_per_s": round(refused / seconds, 1),
-        "other": 0,
+        "ok_per_s": out["requests_per_s"],
+        "refused_per_s": out["non_2xx_per_s"],
+        "other": out["socket_errors"],
         "p50_ms": None,  # wrk's percentiles mix the 200s and the 503s
-        "server_cores": round((process_cpu(process) - cpu) / elapsed, 2),
+        "server_cores": round((process_cpu(process) - cpu) / (time.perf_counter() - started), 2),
     }
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    if shutil.which("wrk") is None:
-        raise SystemExit("wrk is missing: `make wrk` (Debian's package) or apt-get install wrk")
+    if not wrk.available():
+        raise SystemExit("wrk is missing: `make wrk` installs Debian's package")
     logs = evidence.OUT / "logs" / "flood"
     points: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
-            with running_stage(STAGE, logs) as server:
+    for round_ in range(args.rounds):
+        with running_stage(STAGE, logs) as server:
+            settle(server.pid, server.url)
+            _closed(server, 32, args.warmup, 7000 + round_, False)
+            point = _closed(server, 32, args.duration, 7100 + round_, False)
+            points.append({"kind": "capacity", "round": round_, **point})
+            print(json.dumps(points[-1]), flush=True)
+            settle(server.pid, server.url)
+            point = _wrk(server, 32, args.duration, 7150 + round_)
+            points.append({"kind": "capacity_wrk", "round": round_, **point})
+            print(json.dumps(points[-1]), flush=True)
+        for delay in args.delays:
+            env = {**FLOOD, "SHED_DELAY_MS": f"{delay:g}"}
+            with running_stage(STAGE, logs, env) as server:
                 settle(server.pid, server.url)
-                _closed(server, 32, args.warmup, 7000 + round_, False)
-                point = _closed(server, 32, args.duration, 7100 + round_, False)
-                points.append({"kind": "capacity", "round": round_, **point})
+                _closed(server, 32, args.warmup, 7200 + round_, False)
+                point = _closed(server, args.clients, args.duration, 7300 + round_, True)
+                points.append({"kind": "honour", "delay_ms": delay, "round": round_, **point})
                 print(json.dumps(points[-1]), flush=True)
                 settle(server.pid, server.url)
-                point = _wrk(server, 32, args.duration, 7150 + round_, Path(tmp))
-                points.append({"kind": "capacity_wrk", "round": round_, **point})
+                point = _wrk(server, args.clients, args.duration, 7400 + round_)
+                points.append({"kind": "resend", "delay_ms": delay, "round": round_, **point})
                 print(json.dumps(points[-1]), flush=True)
-            for delay in args.delays:
-                env = {**FLOOD, "SHED_DELAY_MS": f"{delay:g}"}
-                with running_stage(STAGE, logs, env) as server:
-                    settle(server.pid, server.url)
-                    _closed(server, 32, args.warmup, 7200 + round_, False)
-                    point = _closed(server, args.clients, args.duration, 7300 + round_, True)
-                    points.append({"kind": "honour", "delay_ms": delay, "round": round_, **point})
-                    print(json.dumps(points[-1]), flush=True)
-                    settle(server.pid, server.url)
-                    point = _wrk(server, args.clients, args.duration, 7400 + round_, Path(tmp))
-                    points.append({"kind": "resend", "delay_ms": delay, "round": round_, **point})
-                    print(json.dumps(points[-1]), flush=True)
     return {
         "clients": args.clients,
         "duration_s": args.duration,
