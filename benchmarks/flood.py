@@ -199,12 +199,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.rounds = args.rounds or (1 if args.quick else 3)
     result = {"stamp": {}, **measure(args)}
     result["stamp"] = run.stamp(FLOOD)
-    out = args.out or run.results_dir
-    evidence.write_json(out / "flood.json", result)
-    evidence.write_text(out / "flood.md", markdown(result))
-    print(markdown(result))
-    print(f"wrote {out / 'flood.json'} and {out / 'flood.md'}")
-    evidence.against_reference(run, "flood.json", result, headline)
+    evidence.publish(run, args.out, "flood", result, markdown, headline)
 
 
 if __name__ == "__main__":

@@ -197,12 +197,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.ceiling_seconds = args.ceiling_seconds or (0.3 if args.quick else 2.0)
     result = {"stamp": {}, **measure(args)}
     result["stamp"] = run.stamp()
-    out = args.out or run.results_dir
-    evidence.write_json(out / "layers.json", result)
-    evidence.write_text(out / "layers.md", markdown(result))
-    print(markdown(result))
-    print(f"wrote {out / 'layers.json'} and {out / 'layers.md'}")
-    evidence.against_reference(run, "layers.json", result, headline)
+    evidence.publish(run, args.out, "layers", result, markdown, headline)
 
 
 if __name__ == "__main__":

@@ -69,12 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     seconds = args.seconds or (0.2 if args.quick else 2.0)
     result = {"stamp": {}, **measure(seconds)}
     result["stamp"] = run.stamp()
-    out = args.out or run.results_dir
-    evidence.write_json(out / "stage0.json", result)
-    evidence.write_text(out / "stage0.md", markdown(result))
-    print(markdown(result))
-    print(f"wrote {out / 'stage0.json'} and {out / 'stage0.md'}")
-    evidence.against_reference(run, "stage0.json", result, headline)
+    evidence.publish(run, args.out, "stage0", result, markdown, headline)
     return 0
 
 

@@ -334,12 +334,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "sockets": sockets(engine, 3.0 if args.quick else 15.0, args.clients, run.logs("stage2_overhead")),
     }
     result["stamp"] = run.stamp()
-    out = args.out or run.results_dir
-    evidence.write_json(out / "stage2_overhead.json", result)
-    evidence.write_text(out / "stage2_overhead.md", markdown(result))
-    print(markdown(result))
-    print(f"wrote {out / 'stage2_overhead.json'} and {out / 'stage2_overhead.md'}")
-    evidence.against_reference(run, "stage2_overhead.json", result, headline)
+    evidence.publish(run, args.out, "stage2_overhead", result, markdown, headline)
 
 
 if __name__ == "__main__":

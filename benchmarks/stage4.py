@@ -253,12 +253,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("4/4 overload, stage 4 and stage 3", flush=True)
     result["overload"] = overload(300, 200, 5)
     result["stamp"] = run.stamp()
-    out = args.out or run.results_dir
-    evidence.write_json(out / "stage4.json", result)
-    evidence.write_text(out / "stage4.md", markdown(result))
-    print(markdown(result))
-    print(f"wrote {out / 'stage4.json'} and {out / 'stage4.md'}")
-    evidence.against_reference(run, "stage4.json", result, headline)
+    evidence.publish(run, args.out, "stage4", result, markdown, headline)
 
 
 if __name__ == "__main__":

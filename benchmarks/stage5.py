@@ -190,12 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.rounds = args.rounds or (2 if args.quick else 4)
     result = {"stamp": {}, **measure(args)}
     result["stamp"] = run.stamp()
-    out = args.out or run.results_dir
-    evidence.write_json(out / "stage5_overhead.json", result)
-    evidence.write_text(out / "stage5_overhead.md", markdown(result))
-    print(markdown(result))
-    print(f"wrote {out / 'stage5_overhead.json'} and {out / 'stage5_overhead.md'}")
-    evidence.against_reference(run, "stage5_overhead.json", result, headline)
+    evidence.publish(run, args.out, "stage5_overhead", result, markdown, headline)
 
 
 if __name__ == "__main__":

@@ -148,12 +148,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.windows = WINDOWS
     result = {"stamp": {}, **measure(args)}
     result["stamp"] = run.stamp()
-    out = args.out or run.results_dir
-    evidence.write_json(out / "windows.json", result)
-    evidence.write_text(out / "windows.md", markdown(result))
-    print(markdown(result))
-    print(f"wrote {out / 'windows.json'} and {out / 'windows.md'}")
-    evidence.against_reference(run, "windows.json", result, headline)
+    evidence.publish(run, args.out, "windows", result, markdown, headline)
 
 
 if __name__ == "__main__":

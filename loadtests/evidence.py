@@ -422,3 +422,23 @@ def against_reference(
     if run.quick:
         print("(a QUICK run: the ratios are rough)", flush=True)
     return rows
+
+
+def publish(
+    run: Run,
+    out: Path | None,
+    name: str,
+    result: dict[str, Any],
+    markdown: Callable[[dict[str, Any]], str],
+    headline: Headline,
+) -> Path:
+    """Write ``name``.json and ``name``.md (into ``out``, else the run's results folder), print the
+    page, and the reader's figures against the committed reference."""
+    folder = out or run.results_dir
+    text = markdown(result)
+    write_json(folder / f"{name}.json", result)
+    write_text(folder / f"{name}.md", text)
+    print(text)
+    print(f"wrote {folder / name}.json and .md")
+    against_reference(run, f"{name}.json", result, headline)
+    return folder
