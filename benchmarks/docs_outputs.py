@@ -102,7 +102,7 @@ OUTPUTS: tuple[Output, ...] = (
     # stage 3: 32 requests at once, on stage 2 (one model call each) and on stage 3 (batches)
     Output(
         "stage3-without",
-        r"""curl -s -Z -o /dev/null \
+        r"""curl --no-progress-meter -Z -o /dev/null \
      -w '%header{x-total-time} ms in all, %header{x-inference-time} ms in the model\n' \
      -H 'content-type: application/json' -d '{"inputs": ["a sentence sent by 32 clients at once"]}' \
      "$URL/v1/embed?[1-32]" | sort -n | sed -n '1p;16p;32p'""",
@@ -110,7 +110,7 @@ OUTPUTS: tuple[Output, ...] = (
     ),
     Output(
         "stage3-run",
-        r"""curl -s -Z -o /dev/null \
+        r"""curl --no-progress-meter -Z -o /dev/null \
      -w '%header{x-total-time} ms in all, %header{x-queue-time} ms queued, batch of %header{x-batch-size}\n' \
      -H 'content-type: application/json' -d '{"inputs": ["a sentence sent by 32 clients at once"]}' \
      "$URL/v1/embed?[1-32]" | sort -n | sed -n '1p;16p;32p'
@@ -130,7 +130,7 @@ done""",
     Output(
         "stage4-without-bound",
         r"""passage=$(python3 -c 'print("a long passage of words " * 40)')
-curl -s -Z --parallel-max 200 -o /dev/null -w '%{http_code} after %{time_total} s\n' \
+curl --no-progress-meter -Z --parallel-max 200 -o /dev/null -w '%{http_code} after %{time_total} s\n' \
      -H 'content-type: application/json' -d "{\"inputs\": [\"$passage\"]}" \
      "$URL/v1/embed?[1-200]" | sort -k3 -n | sed -n '1p;100p;200p'""",
         stage="stage3",
@@ -141,7 +141,7 @@ curl -s -Z --parallel-max 200 -o /dev/null -w '%{http_code} after %{time_total} 
   curl -s -o /dev/null -w '%header{x-cache}: %header{x-inference-time} ms in the model\n' $URL/v1/embed \
        -H 'content-type: application/json' -d '{"inputs": ["the same sentence, sent again"]}'
 done
-curl -s -Z -o /dev/null -H 'content-type: application/json' \
+curl --no-progress-meter -Z -o /dev/null -H 'content-type: application/json' \
      -d '{"inputs": ["a new sentence that 32 clients want at once"]}' "$URL/v1/embed?[1-32]"
 curl -s $URL/v1/cache/metrics | python3 -c 'import json, sys; m = json.load(sys.stdin)
 print({"hits": m["cache"]["hits"], "deduplicated": m["deduplicated"], "rejected": m["rejected"]})'""",
@@ -150,7 +150,7 @@ print({"hits": m["cache"]["hits"], "deduplicated": m["deduplicated"], "rejected"
     Output(
         "stage4-run-bound",
         r"""passage=$(python3 -c 'print("a long passage of words " * 40)')
-curl -s -Z --parallel-max 200 -o /dev/null -w '%{http_code}\n' -H 'content-type: application/json' \
+curl --no-progress-meter -Z --parallel-max 200 -o /dev/null -w '%{http_code}\n' -H 'content-type: application/json' \
      -d "{\"inputs\": [\"$passage\"]}" "$URL/v1/embed?[1-200]" | sort | uniq -c""",
         stage="stage4",
         env={"MAX_QUEUE": "4"},
@@ -171,7 +171,7 @@ curl -s $URL/v1/cache/metrics | python3 -c 'import json, sys; print(sorted(json.
     ),
     Output(
         "stage5-run",
-        r"""curl -s -Z -o /dev/null -H 'content-type: application/json' \
+        r"""curl --no-progress-meter -Z -o /dev/null -H 'content-type: application/json' \
      -d '{"inputs": ["a sentence sent by 32 clients at once"]}' "$URL/v1/embed?[1-32]"
 curl -s $URL/metrics | grep -E '^embedserve_(requests_total\{route="/v1/embed"|batches_total|queue_depth)'
 curl -s $URL/v1/metrics | python3 -c 'import json, sys; m = json.load(sys.stdin)

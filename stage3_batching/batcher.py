@@ -195,11 +195,13 @@ class Batcher:
         limit = self.batch_limit()
         batch: list[QueuedText] = []
         longest = 0
-        while self._queue and len(batch) < limit:
+        while self._queue:
             text = self._queue[0]
             if not self._still_wanted(text):
                 self._queue.popleft()
                 continue
+            if len(batch) >= limit and text.req is not batch[-1].req:
+                break  # (a request's texts stay in one batch while they fit it)
             if batch and not fits(len(batch) + 1, max(longest, text.n_tokens), self.settings):
                 break  # (a text over the token budget still runs: alone)
             batch.append(self._queue.popleft())

@@ -1,18 +1,34 @@
 """The exercises work both ways: each starting file fails its stage's own tests, each stage passes them.
 
 ``make exercise STAGE=N`` runs stage N's tests against ``exercises/`` (what a learner runs), and
-``make exercise STAGE=N SOLUTION=1`` against the stage itself. Both are run here exactly so.
+``make exercise STAGE=N SOLUTION=1`` against the stage itself. Both are run here exactly so. A
+starting file also keeps the interface of the stage's class it stands for, so a change to the
+stage that the exercise misses fails here, not in a learner's hands.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
 import subprocess
 
 import pytest
 from conftest import REPO
 
-EXERCISES = {2: "NotImplementedError"}  # stage -> what the untouched starting file fails with
+EXERCISES = {  # stage -> what the untouched starting file fails with
+    2: "NotImplementedError",
+    3: "NotImplementedError",
+    4: "NotImplementedError",
+}
+# (module, class): each class a learner writes, in exercises/<module> and in the stage's <module>
+PIECES = [
+    ("stage2_threadpool.app", "ThreadPoolBackend"),
+    ("stage3_batching.batcher", "Batcher"),
+    ("stage4_cache_backpressure.cache", "MemoryCache"),
+    ("stage4_cache_backpressure.singleflight", "SingleFlight"),
+    ("stage4_cache_backpressure.admission", "Admission"),
+]
 
 
 def _make_exercise(stage: int, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -47,3 +63,17 @@ def test_the_stage_itself_passes_the_same_tests(stage: int) -> None:
 def test_an_unknown_stage_is_a_clear_error() -> None:
     result = _make_exercise(7)
     assert result.returncode != 0 and "exercises exist for stages" in result.stderr
+
+
+@pytest.mark.parametrize(("module", "name"), PIECES, ids=[f"{m}.{n}" for m, n in PIECES])
+def test_a_starting_file_keeps_the_interface_of_the_stage(module: str, name: str) -> None:
+    """Every method and property the stage's class defines (its hooks too), with the same signature."""
+    stage = getattr(importlib.import_module(module), name)
+    yours = getattr(importlib.import_module(f"exercises.{module}"), name)
+    for attr, value in vars(stage).items():
+        if attr.startswith("__") and attr != "__init__":
+            continue
+        assert hasattr(yours, attr), f"exercises/{module}: {name}.{attr} is missing"
+        if inspect.isfunction(value):
+            want, got = inspect.signature(value), inspect.signature(getattr(yours, attr))
+            assert got == want, f"exercises/{module}: {name}.{attr}{got}, the stage has {want}"

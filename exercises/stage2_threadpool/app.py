@@ -41,9 +41,7 @@ class ThreadPoolBackend:
         inference_ms = (time.perf_counter() - started) * 1e3
         if job.normalize:
             vectors = l2_normalize(vectors)
-        return EmbedResult(
-            vectors, [t.n_tokens for t in tokens], [t.truncated for t in tokens], inference_ms
-        )
+        return EmbedResult(vectors, [t.n_tokens for t in tokens], [t.truncated for t in tokens], inference_ms)
 
     async def run_model(self, ids: list[np.ndarray]) -> np.ndarray:
         """``self.engine.run(ids)``, computed in a worker thread; the event loop waits without blocking.

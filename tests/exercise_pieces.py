@@ -1,0 +1,66 @@
+"""The classes stage 3's and stage 4's tests check: the stage's own, or with EXERCISE=1 the learner's.
+
+``make exercise STAGE=N`` sets EXERCISE=1 (exercises/README.md). The test modules take the
+pieces a learner writes from here instead of importing them from the stage, so the same tests
+check ``exercises/``. A learner's class has the stage's interface but is not a subclass of the
+stage's. Each function imports only what it returns, so a half-written stage 4 exercise never
+breaks the stage 3 check.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stage3_batching.batcher import Batcher
+    from stage4_cache_backpressure.app import CacheBackend
+    from stage4_cache_backpressure.cache import MemoryCache
+
+EXERCISE = os.environ.get("EXERCISE") == "1"
+
+
+def textbook_batcher() -> type[Batcher]:
+    """``stage3_batching.batcher.Batcher``, or yours from ``exercises/stage3_batching/batcher.py``."""
+    if EXERCISE:
+        from exercises.stage3_batching.batcher import Batcher as Yours
+
+        return Yours  # type: ignore[return-value]
+    from stage3_batching.batcher import Batcher
+
+    return Batcher
+
+
+def memory_cache() -> type[MemoryCache]:
+    """``stage4_cache_backpressure.cache.MemoryCache``, or yours from ``exercises/``."""
+    if EXERCISE:
+        from exercises.stage4_cache_backpressure.cache import MemoryCache as Yours
+
+        return Yours  # type: ignore[return-value]
+    from stage4_cache_backpressure.cache import MemoryCache
+
+    return MemoryCache
+
+
+def cache_backend() -> type[CacheBackend]:
+    """Stage 4's backend; with EXERCISE=1 the same backend holding your LRU, single-flight and
+    admission check from ``exercises/stage4_cache_backpressure/``."""
+    from stage4_cache_backpressure.app import CacheBackend
+
+    if not EXERCISE:
+        return CacheBackend
+    from exercises.stage4_cache_backpressure.admission import Admission
+    from exercises.stage4_cache_backpressure.cache import MemoryCache as YourMemoryCache
+    from exercises.stage4_cache_backpressure.singleflight import SingleFlight
+
+    class WithYourPieces(CacheBackend):
+        def __init__(self, engine: Any, settings: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(engine, settings, *args, **kwargs)
+            s = settings  # each piece built with the arguments the stage builds its own with
+            self.cache.memory = YourMemoryCache(
+                s.cache_max_items, s.cache_max_bytes, s.cache_ttl_s, self.stats.cache
+            )
+            self.flights = SingleFlight()
+            self.admission = Admission(s.max_queue, s.overload_status, lambda: self.batcher.queue_depth)
+
+    return WithYourPieces
