@@ -125,9 +125,10 @@ bench-stage3-refinements: setup
 bench-stage4: setup
 	$(PY) -m benchmarks.stage4 $(EVIDENCE) $(ARGS)
 
-## bench-stage5: what metrics, logs and the dashboard cost, stage 5 vs stage 4 (~4 min; QUICK=1 ~1 min)
+## bench-stage5: what metrics, logs and the dashboard cost, stage 5 vs stage 4; the middleware kind (~7 min; QUICK=1 ~2 min)
 bench-stage5 stage5-overhead: setup
 	$(PY) -m benchmarks.stage5 $(EVIDENCE) $(ARGS)
+	$(PY) -m benchmarks.stage5_middleware $(EVIDENCE)
 
 ## dashboard-screenshot: the stage 5 dashboard after a minute of traffic (Chromium; QUICK=1: 10 s)
 dashboard-screenshot: setup browser

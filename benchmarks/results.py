@@ -83,6 +83,14 @@ STEPS: tuple[Step, ...] = (
     Step("stage4", "stage 4: cache tiers, repeats, overload", "benchmarks.stage4", ("stage4.json",), 3, 1.5),
     Step("stage5", "stage 5: what watching costs", "benchmarks.stage5", ("stage5_overhead.json",), 4, 1),
     Step(
+        "stage5-middleware",
+        "stage 5: the middleware kind, the counters, the log line",
+        "benchmarks.stage5_middleware",
+        ("stage5_middleware.json",),
+        3,
+        0.5,
+    ),
+    Step(
         "dashboard",
         "stage 5: the dashboard after a minute of traffic",
         "benchmarks.stage5_screenshot",
@@ -227,6 +235,7 @@ PAGES: tuple[Page, ...] = (
     ),
     Page("layers.json", "layers.md", "benchmarks.layers:markdown"),
     Page("flood.json", "flood.md", "benchmarks.flood:markdown"),
+    Page("stage5_middleware.json", "stage5_middleware.md", "benchmarks.stage5_middleware:markdown"),
     Page("windows.json", "windows.md", "benchmarks.windows:markdown"),
     Page("cost_model.json", "cost_model.md", "benchmarks.cost_model:markdown"),
     Page("outputs.json", "outputs.md", "benchmarks.docs_outputs:markdown"),  # and outputs/<name>.txt

@@ -1,7 +1,7 @@
 """Stage 5's per-request cost, part by part: the middleware kind, the counters, the log line.
 
-    python -m benchmarks.stage5_middleware            # about 3 minutes; writes out/stage5_middleware.json
-    python -m benchmarks.stage5_middleware --quick    # seconds, to see that it runs
+    python -m benchmarks.stage5_middleware         # about 3 minutes; out/results/stage5_middleware.*
+    python -m benchmarks.stage5_middleware --quick # seconds, to see that it runs
 
 Issue 13, item 7: a departure from FastAPI's idiom stays only where it buys at least 5 % on a
 stage 5 workload with cache hits. Stage 5 ships a pure ASGI middleware (``TelemetryMiddleware``);
@@ -39,10 +39,12 @@ import orjson
 import psutil
 from starlette.types import ASGIApp
 
+from loadtests import evidence
 from loadtests.httpload import post_requests, run_load
 from loadtests.procs import REPO, free_port, server_env, wait_http
+from loadtests.tables import num, page, table
 
-OUT = REPO / "out" / "stage5_middleware.json"
+LOGS = evidence.OUT / "logs" / "stage5_middleware"
 TEXTS = [f"a cached sentence number {i} for the middleware measurement" for i in range(300)]
 
 
@@ -101,7 +103,7 @@ def direct_log_app() -> Any:
 
     app = build_app()
     ours = logging.getLogger("embedserve")
-    ours.handlers = [h.target for h in ours.handlers]  # the queue's own StreamHandler, used directly
+    ours.handlers = [h.target for h in ours.handlers]  # type: ignore[attr-defined]  # the queue's own StreamHandler, used directly
     return app
 
 
@@ -132,7 +134,7 @@ def calls(number: int) -> dict[str, float]:
     }
     ours = logging.getLogger("embedserve")
     queued = list(ours.handlers)
-    ours.handlers = [h.target for h in queued]  # the queue's own StreamHandler, used on this thread
+    ours.handlers = [h.target for h in queued]  # type: ignore[attr-defined]  # the queue's own handler, on this thread
     out["request line, plain StreamHandler (formatted and written here)"] = us(
         lambda: log_request(logging.INFO, "POST", "/v1/embed", 200, record, 0.4)
     )
@@ -153,7 +155,7 @@ async def in_process(blocks: int, per_block: int) -> dict[str, Any]:
         "stage 5, request lines written on the loop": build_app(),  # handlers swapped for its blocks
     }
     ours = logging.getLogger("embedserve")
-    queued, direct = list(ours.handlers), [h.target for h in ours.handlers]
+    queued, direct = list(ours.handlers), [h.target for h in ours.handlers]  # type: ignore[attr-defined]
     running = [await _lifespan(app) for app in apps.values()]
     for app in apps.values():  # the first call computes, every later one is a memory-cache hit
         assert await _request(app) == 200
@@ -213,7 +215,7 @@ def sockets(rounds: int, seconds: float, clients: int) -> dict[str, Any]:
     }
     requests = post_requests("/v1/embed", [orjson.dumps({"inputs": [t]}) for t in TEXTS])
     points: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
-    logs = OUT.parent / "logs" / "stage5_middleware"
+    logs = LOGS
     logs.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         servers = {
@@ -263,16 +265,60 @@ def sockets(rounds: int, seconds: float, clients: int) -> dict[str, Any]:
     }
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """stage5_middleware.md: one table a way of measuring, and the answer to the idiom question."""
+    calls = table(["one call", "µs"], [(k, num(v, 2)) for k, v in result["calls_us"].items()])
+    cpu = result["in_process"]["cpu_us_per_request"]
+    in_process = table(["app (one memory-cache hit through ASGI)", "CPU µs a request"],
+                       [(k, num(v, 1)) for k, v in cpu.items()])  # fmt: skip
+    sockets_ = result["sockets"]
+    median = sockets_["median"]
+    sockets = table(
+        ["server (32 clients, cached texts)", "req/s", "server CPU µs a request"],
+        [(k, num(v["requests_per_s"], 0), num(v["server_cpu_us_per_request"], 1)) for k, v in median.items()],
+    )
+    ratios = table(
+        ["@app.middleware against the pure ASGI middleware", "ratio"],
+        [
+            ("CPU a request, in process", f"{result['in_process']['idiom_over_pure']:.2f}x"),
+            ("req/s over sockets", f"{sockets_['idiom_over_pure_requests_per_s']:.2f}x"),
+            ("server CPU a request over sockets", f"{sockets_['idiom_over_pure_cpu_per_request']:.2f}x"),
+        ],
+    )
+    note = (
+        f"In process: {result['in_process']['blocks']} alternating blocks of"
+        f" {result['in_process']['requests_per_block']} requests. Over sockets: {result['sockets']['rounds']}"
+        f" rounds of {result['sockets']['seconds']:g} s, {result['sockets']['clients']} closed-loop clients,"
+        " the servers in turns."
+    )
+    return (
+        page(
+            result["stamp"],
+            {"calls": calls, "in_process": in_process, "sockets": sockets, "middleware": ratios},
+            note,
+        )
+        + "\n"
+    )
+
+
+def headline(result: dict[str, Any]) -> dict[str, float]:
+    return {
+        "idiom / pure, CPU in process": result["in_process"]["idiom_over_pure"],
+        "idiom / pure, req/s over sockets": result["sockets"]["idiom_over_pure_requests_per_s"],
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="a few seconds per part: check that it runs")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=Path, help="Folder for stage5_middleware.json and .md.")
+    evidence.add_arguments(parser)
     args = parser.parse_args(argv)
+    run = evidence.start("benchmarks.stage5_middleware", args, argv)
     out = sys.stdout
     sys.stderr = tempfile.TemporaryFile("w")  # noqa: SIM115 -- the request lines' sink, as a container's log
-    result: dict[str, Any] = {"command": " ".join(["python -m benchmarks.stage5_middleware", *sys.argv[1:]])}
+    result: dict[str, Any] = {"stamp": {}}
     result["calls_us"] = calls(2_000 if args.quick else 20_000)
     print(json.dumps(result["calls_us"], indent=1), file=out, flush=True)
     blocks, per_block = (4, 100) if args.quick else (20, 500)
@@ -281,10 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     sys.stderr = sys.__stderr__
     rounds, seconds = (2, 2.0) if args.quick else (4, 10.0)
     result["sockets"] = sockets(rounds, seconds, clients=32)
-    print(json.dumps(result["sockets"]["median"], indent=1), file=out)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}", file=out)
+    result["stamp"] = run.stamp()
+    evidence.publish(run, args.out, "stage5_middleware", result, markdown, headline)
 
 
 if __name__ == "__main__":
