@@ -2,7 +2,8 @@
 
 A stage supplies a *backend*: an object with ``async def embed(job) -> EmbedResult``
 (and optionally ``async def start()`` / ``async def close()``). Everything else,
-routes, validation, limits, errors, headers and JSON encoding, lives here, so the
+routes, validation, limits, errors, headers and JSON encoding, lives here (the HTTP
+plumbing, bodies read in one pass and errors in one shape, in ``common.routing``), so the
 stages differ only in how they call the model.
 
 Routes: ``POST /v1/embed``, ``POST /v1/embeddings`` (OpenAI shape), ``GET /v1/models``,
@@ -14,25 +15,29 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import numpy as np
-import orjson
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from fastapi.routing import APIRoute
-from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from common.auth import install_auth
 from common.engine import Engine, TokenizedText
-from common.limits import APIError, BodyGuard, error_body
+from common.limits import APIError, BodyGuard
+from common.routing import (
+    ERRORS,
+    LeanRoute,
+    body_doc,
+    error_response,
+    install_error_handlers,
+    json_response,
+    lean_route,
+    read_body,
+)
 from common.schemas import (
     EmbedRequest,
     EmbedResponse,
@@ -65,8 +70,6 @@ log = logging.getLogger("embedserve")
 
 # Tokenizing this many characters on the event loop would stall it; hand it to a thread.
 _TOKENIZE_IN_THREAD_CHARS = 8_000
-_JSON = "application/json"
-_Body = TypeVar("_Body", bound=BaseModel)
 
 
 # --- what a backend sees and returns -------------------------------------------
@@ -106,40 +109,6 @@ BackendFactory = Callable[[Engine, Settings], Backend]
 
 
 # --- helpers --------------------------------------------------------------------
-def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    """orjson with numpy support: 384 floats per vector is the hot path of every answer."""
-    body = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
-    return Response(body, status_code=status, headers=headers, media_type=_JSON)
-
-
-def _error_response(exc: APIError) -> Response:
-    body = error_body(exc.status, exc.message, exc.param, exc.type)
-    return Response(body, exc.status, headers=exc.headers, media_type=_JSON)
-
-
-# --8<-- [start:read_body]
-async def read_body(request: Request, model: type[_Body]) -> _Body:
-    """Parse and validate a JSON body in one pass, in pydantic-core.
-
-    FastAPI's own body path decodes with the stdlib ``json`` (which lets lone surrogates
-    such as ``"\\ud800"`` through to the tokenizer), then walks its dependency tree, then
-    validates the Python objects. Validating the bytes directly is faster and stricter;
-    the routes still describe their bodies in the OpenAPI schema (``_body_doc``).
-    """
-    try:
-        raw = await request.body()
-    except ClientDisconnect:  # the client left mid-body: nobody reads the answer, but it is no 500
-        raise APIError(499, "client closed the connection before sending the whole body") from None
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        message, param = describe_validation_error(exc.errors(include_url=False, include_input=False))
-        raise APIError(422, message, param=param) from None
-
-
-# --8<-- [end:read_body]
-
-
 def validate_texts(texts: list[str], settings: Settings, param: str) -> None:
     if not texts:
         raise APIError(422, f"`{param}` is an empty list; send at least one text", param=param)
@@ -222,60 +191,6 @@ def _result_headers(result: EmbedResult, started: float) -> dict[str, str]:
     return headers
 
 
-def _body_doc(model: type[BaseModel], field: str, settings: Settings) -> dict[str, Any]:
-    """The OpenAPI ``requestBody`` for a route that parses its body itself (``read_body``).
-
-    The text field also states this server's limits (MAX_ITEMS, MAX_CHARS), which
-    ``validate_texts`` checks with its own messages, so a schema-driven client or fuzzer
-    knows which inputs are valid.
-    """
-    schema = model.model_json_schema()
-    text = {"type": "string", "minLength": 1, "maxLength": settings.max_chars}
-    many = {"type": "array", "items": text, "minItems": 1, "maxItems": settings.max_items}
-    schema["properties"][field]["anyOf"] = [text, many]
-    return {"requestBody": {"required": True, "content": {_JSON: {"schema": schema}}}}
-
-
-# --8<-- [start:lean_route]
-class LeanRoute(APIRoute):
-    """A route whose endpoint takes the ``Request`` and returns a ``Response`` itself.
-
-    A custom ``APIRoute`` is FastAPI's documented hook for this. The route is declared (and
-    documented in OpenAPI) as usual; per request, FastAPI's dependency solving, body
-    handling and response serialization are skipped: this server does all three itself.
-    """
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        return self.endpoint
-
-
-# --8<-- [end:lean_route]
-
-
-def lean_route(app: FastAPI, method: str, path: str, **kwargs: Any) -> Callable[[Any], Any]:
-    """``@lean_route(app, "POST", "/v1/embed")``: register a ``LeanRoute`` (other routes keep FastAPI's)."""
-
-    def register(endpoint: Any) -> Any:
-        app.router.add_api_route(path, endpoint, methods=[method], route_class_override=LeanRoute, **kwargs)
-        return endpoint
-
-    return register
-
-
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": text}
-    for status, text in {
-        400: "Bad header (X-Request-Timeout)",
-        408: "Body not received within BODY_TIMEOUT_S",
-        413: "Body larger than MAX_BODY_BYTES",
-        415: "Compressed body (Content-Encoding other than identity)",
-        422: "Invalid body: the message names the field (and the index)",
-        503: "Not ready, or overloaded (later stages)",
-        504: "Deadline passed (later stages)",
-    }.items()
-}
-
-
 # --- the app --------------------------------------------------------------------
 def create_app(
     title: str,
@@ -315,36 +230,9 @@ def create_app(
     app.state.ready = False
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     install_auth(app, settings)  # outermost: a request without a key is not even read
-    _install_error_handlers(app)
+    install_error_handlers(app)
     _install_routes(app, settings)
     return app
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> Response:
-        return _error_response(exc)
-
-    # Routes that let FastAPI parse a body (a later stage's extra routes) get the same shape.
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        message, param = describe_validation_error(exc.errors())
-        return Response(error_body(422, message, param), 422, media_type=_JSON)
-
-    # 404 unknown route, 405 wrong method, 413/408 from BodyGuard on a chunked or slow body.
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return Response(
-            error_body(exc.status_code, str(exc.detail)),
-            exc.status_code,
-            headers=getattr(exc, "headers", None),
-            media_type=_JSON,
-        )
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path)
-        return Response(error_body(500, f"internal error: {type(exc).__name__}"), 500, media_type=_JSON)
 
 
 def _install_routes(app: FastAPI, settings: Settings) -> None:
@@ -384,8 +272,8 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         "/v1/embed",
         tags=["embeddings"],
         response_model=EmbedResponse,
-        responses=_ERRORS,
-        openapi_extra=_body_doc(EmbedRequest, "inputs", settings),
+        responses=ERRORS,
+        openapi_extra=body_doc(EmbedRequest, "inputs", settings),
     )
     async def embed(request: Request) -> Response:
         """Embed one text or a list of texts."""
@@ -408,8 +296,8 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         "/v1/embeddings",
         tags=["embeddings"],
         response_model=OpenAIEmbeddingResponse,
-        responses={404: {"model": ErrorResponse, "description": "Unknown `model`"}, **_ERRORS},
-        openapi_extra=_body_doc(OpenAIEmbeddingRequest, "input", settings),
+        responses={404: {"model": ErrorResponse, "description": "Unknown `model`"}, **ERRORS},
+        openapi_extra=body_doc(OpenAIEmbeddingRequest, "input", settings),
     )
     async def embeddings(request: Request) -> Response:
         """OpenAI-compatible embeddings (the official `openai` client works unchanged)."""
@@ -465,44 +353,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         """Readiness: 503 until the model is loaded and warmed, and again while draining."""
         if request.app.state.ready:
             return json_response({"status": "ready"})
-        return _error_response(APIError(503, "not ready", headers={"Retry-After": "1"}))
-
-
-def describe_validation_error(errors: Any) -> tuple[str, str | None]:
-    """One clear sentence, and the field it is about, for pydantic's errors.
-
-    Works for both ``read_body`` (locations start at the field) and FastAPI's own
-    validation (locations start with ``"body"``). A union ``str | list[str]`` reports one
-    error per branch; the list branch names the offending item, so it wins.
-    """
-    errors = list(errors)
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    for err in errors:
-        where = tuple(err.get("loc", ()))
-        if "list[str]" in where and isinstance(where[-1], int):
-            first = err
-            break
-    kind = first.get("type", "")
-    if kind == "json_invalid":
-        detail = str(first.get("msg", "")).removeprefix("Invalid JSON: ")
-        return f"request body is not valid JSON ({detail})", None
-    loc = [p for p in first.get("loc", ()) if p not in ("body", "str", "list[str]")]
-    if kind in ("model_type", "model_attributes_type", "dict_type") or not loc:
-        return "request body must be a JSON object", None
-    param = str(loc[0])
-    for p in loc[1:]:
-        param += f"[{p}]" if isinstance(p, int) else f".{p}"
-    if kind == "missing":
-        return f"`{param}` is required", param
-    if kind == "extra_forbidden":
-        return f"unknown field `{param}`", param
-    if param in ("inputs", "input") and kind in ("string_type", "list_type"):
-        return f"`{param}` must be a string or a list of strings", param
-    if kind == "string_type":
-        return f"`{param}` must be a string", param
-    return f"`{param}`: {first.get('msg', 'invalid value')}", param
+        return error_response(APIError(503, "not ready", headers={"Retry-After": "1"}))
 
 
 def _model_aliases(engine: Engine, settings: Settings) -> set[str]:

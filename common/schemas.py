@@ -1,7 +1,7 @@
 """The bodies of the API contract: what a client sends and what it gets back.
 
 Requests are strict (``"normalize": "yes"`` is an error, not a guess) and parsed straight
-from bytes by pydantic-core (see ``common.api.read_body``). The response models are only
+from bytes by pydantic-core (see ``common.routing.read_body``). The response models are only
 documentation for ``/openapi.json`` (and for schemathesis, which checks answers against
 them): the routes build their answers as plain dicts and encode them with orjson.
 """

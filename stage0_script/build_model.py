@@ -19,71 +19,24 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from common.settings import REPO_ROOT
-from stage0_script import corpus
+from stage0_script.quality import gate_failures, quality
+from stage0_script.quantize import PREFERRED_INT8, STATIC_RECIPE, quantize_static
 
 if TYPE_CHECKING:
-    from common.engine import Engine
+    pass
 
 BUILD_VERSION = 4  # bump when the build recipe changes, so old folders are rebuilt
-QUALITY_SENTENCES = 240
-GATE_MEAN_COSINE = 0.99
-GATE_STSB_POINTS = 1.0
 # The STS-benchmark dev pairs shipped with the repository (data/stsb/README.md: source and licence).
 STSB_CSV = REPO_ROOT / "data" / "stsb" / "sts-dev.csv"
-
-
-# --8<-- [start:recipe]
-@dataclass(frozen=True)
-class StaticRecipe:
-    """How static INT8 is made; `python -m stage0_script.quant_study` compares recipes."""
-
-    calibration: str = "Percentile"  # MinMax, Entropy or Percentile (ORT CalibrationMethod)
-    percentile: float = 99.999
-    calibration_texts: int = 128
-    quant_format: str = "QOperator"  # QOperator or QDQ
-    activations: str = "QUInt8"  # QUInt8 (asymmetric) or QInt8 (symmetric)
-    exclude: tuple[str, ...] = ()  # regexes of node names that stay fp32
-    pad_calibration: bool = True  # calibrate on texts padded to the longest, or each at its length
-    symmetric_ranges: bool | None = None  # calibrated ranges symmetric around 0 (None: ORT's default)
-    smooth_alpha: float | None = None  # SmoothQuant on the MatMuls after GELU (stage0_script/smooth.py)
-
-    def describe(self) -> str:
-        calib = self.calibration + (f" p{self.percentile}" if self.calibration == "Percentile" else "")
-        if self.symmetric_ranges is not None:
-            calib += " symmetric" if self.symmetric_ranges else " asymmetric"
-        kept = f", fp32: {' '.join(self.exclude)}" if self.exclude else ""
-        kept += f", SmoothQuant alpha {self.smooth_alpha} after GELU" if self.smooth_alpha is not None else ""
-        padded = "padded" if self.pad_calibration else "unpadded"
-        return (
-            f"{self.activations} activations, {calib} calibration on {self.calibration_texts}"
-            f" {padded} project sentences, {self.quant_format}{kept}"
-        )
-
-
-# Static INT8 recipe, chosen by the measurements in docs/quantization.md (`make quant-study`):
-# Entropy calibration on unpadded texts, with the MatMul after GELU kept in fp32, is the
-# simplest recipe that passes both gates; calibration choices alone stay far below them.
-STATIC_RECIPE = StaticRecipe(
-    calibration="Entropy", pad_calibration=False, exclude=(r"/layer\.\d+/output/dense/MatMul$",)
-)
-# The INT8 mode served as `int8` when both pass the gates. Measured by the same study: static
-# is batch invariant but not faster than dynamic on this CPU (ONNX Runtime's dynamic MatMul
-# kernels are as fast as its static ones, and the FFN output kept in fp32 slows static further),
-# so dynamic it is, and static is there for whoever needs one vector per text.
-PREFERRED_INT8 = "int8-dynamic"
-# --8<-- [end:recipe]
 
 
 def packaged_model_dir() -> Path:
@@ -169,207 +122,14 @@ def quantize_dynamic(fp32: Path, out: Path) -> None:
 # --8<-- [end:export]
 
 
-class _CalibrationReader:
-    """Feeds tokenized calibration sentences, one at a time, to ONNX Runtime's calibrator."""
-
-    def __init__(self, tokenizer_path: Path, max_tokens: int, texts: list[str], pad: bool) -> None:
-        from tokenizers import Tokenizer
-
-        from common.engine import pad_batch
-
-        tok = Tokenizer.from_file(str(tokenizer_path))
-        tok.no_padding()
-        tok.enable_truncation(max_length=max_tokens)
-        rows = [np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch(texts)]
-        if pad:
-            # One shape for every call: the histogram calibrators stack a whole pass. But then
-            # most calibrated activations belong to padding, which mean pooling later ignores.
-            ids, mask = pad_batch(rows)
-            rows_ids, rows_mask = list(ids), list(mask)
-        else:
-            # Each text at its own length; the calibrator then runs one text per pass
-            # (`set_range`), so histograms merge across shapes.
-            rows_ids, rows_mask = rows, [np.ones_like(r) for r in rows]
-        self._feeds = [
-            {"input_ids": i[None, :], "attention_mask": m[None, :], "token_type_ids": 0 * i[None, :]}
-            for i, m in zip(rows_ids, rows_mask, strict=True)
-        ]
-        self._iter = iter(self._feeds)
-
-    def __len__(self) -> int:
-        return len(self._feeds)
-
-    def set_range(self, start_index: int, end_index: int) -> None:
-        self._iter = iter(self._feeds[start_index:end_index])
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self._iter, None)
-
-    def rewind(self) -> None:
-        self._iter = iter(self._feeds)
-
-
-def excluded_nodes(fp32: Path, patterns: tuple[str, ...]) -> list[str]:
-    """Names of the nodes of `fp32` that match any of the regexes (these stay fp32)."""
-    import onnx
-
-    if not patterns:
-        return []
-    graph = onnx.load(str(fp32), load_external_data=False).graph
-    return [n.name for n in graph.node if any(re.search(p, n.name) for p in patterns)]
-
-
-# --8<-- [start:static]
-def quantize_static(
-    fp32: Path,
-    out: Path,
-    tokenizer_path: Path,
-    max_tokens: int,
-    recipe: StaticRecipe = STATIC_RECIPE,
-    calibration_cache: Path | None = None,
-) -> None:
-    """Static INT8: calibrated activation scales, so a text's vector does not depend on its batch.
-
-    `calibration_cache` (a json file) keeps the calibrated ranges, so recipes that differ only
-    in format, activation type or excluded nodes calibrate once.
-    """
-    # Calibration texts: a seed the quality gate does not use, every length bucket.
-    texts = corpus.texts(recipe.calibration_texts, seed=7, kind="mixed", unique=False)
-    reader = _CalibrationReader(tokenizer_path, max_tokens, texts, pad=recipe.pad_calibration)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="smooth-") as tmp:
-        source = fp32
-        if recipe.smooth_alpha is not None:
-            from stage0_script.smooth import smooth_matmul_inputs
-
-            source = Path(tmp) / "smoothed.onnx"
-            feeds = _CalibrationReader(tokenizer_path, max_tokens, texts, pad=False)
-            smooth_matmul_inputs(fp32, source, iter(feeds.get_next, None), recipe.smooth_alpha, FFN_OUT)
-        _ort_quantize_static(source, out, reader, recipe, calibration_cache)
-
-
-# The MatMul after GELU in every layer (`/encoder/layer.N/output/dense/MatMul` in an optimum export).
-FFN_OUT = r"/layer\.\d+/output/dense/MatMul$"
-
-
-def _ort_quantize_static(
-    fp32: Path, out: Path, reader: _CalibrationReader, recipe: StaticRecipe, calibration_cache: Path | None
-) -> None:
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
-    from onnxruntime.quantization import quantize_static as ort_quantize_static
-
-    ort_quantize_static(
-        fp32,
-        out,
-        reader,
-        quant_format=getattr(QuantFormat, recipe.quant_format),
-        op_types_to_quantize=["MatMul"],
-        per_channel=True,
-        activation_type=getattr(QuantType, recipe.activations),
-        weight_type=QuantType.QInt8,
-        nodes_to_exclude=excluded_nodes(fp32, recipe.exclude),
-        calibrate_method=getattr(CalibrationMethod, recipe.calibration),
-        extra_options={
-            "CalibPercentile": recipe.percentile,
-            "ActivationSymmetric": recipe.activations == "QInt8",
-            **(
-                {}
-                if recipe.symmetric_ranges is None
-                else {"CalibTensorRangeSymmetric": recipe.symmetric_ranges}
-            ),
-            # One text per calibration pass when unpadded (ORT's name says MinMax; it serves all).
-            **({} if recipe.pad_calibration else {"CalibStridedMinMax": 1}),
-        },
-        calibration_cache_path=calibration_cache,
-    )
-
-
-# --8<-- [end:static]
-
-
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.asarray((a * b).sum(axis=1), dtype=np.float64)  # both L2-normalized
-
-
-def quality_sentences() -> list[str]:
-    """The quality gate's project sentences: varied length and topic, no duplicates."""
-    sentences = list(dict.fromkeys(corpus.texts(QUALITY_SENTENCES * 2, seed=2024, unique=False)))
-    return sentences[:QUALITY_SENTENCES]
-
-
-def load_stsb(path: Path) -> tuple[list[str], list[str], np.ndarray]:
-    """STS-benchmark pairs and gold scores from a csv with sentence1, sentence2, score."""
-    import csv
-
-    with path.open(newline="") as fh:
-        rows = list(csv.DictReader(fh))
-    return (
-        [r["sentence1"] for r in rows],
-        [r["sentence2"] for r in rows],
-        np.asarray([float(r["score"]) for r in rows]),
-    )
-
-
-def embed_all(engine: Engine, texts: list[str], batch: int = 32) -> np.ndarray:
-    return np.concatenate([engine.embed(texts[i : i + batch]).vectors for i in range(0, len(texts), batch)])
-
-
-def stsb_spearman(engine: Engine, pairs: tuple[list[str], list[str], np.ndarray]) -> float:
-    """Spearman x100 between the cosine of each pair and its gold score."""
-    from scipy.stats import spearmanr
-
-    sims = _cosines(embed_all(engine, pairs[0]), embed_all(engine, pairs[1]))
-    return float(spearmanr(sims, pairs[2]).statistic * 100)
-
-
-def quality(out: Path, variants: list[str], stsb: Path | None) -> dict[str, Any]:
-    """Cosine of each INT8 variant to fp32, and STS-B Spearman x100 when a file is given."""
-    from common.engine import Engine
-
-    sentences = quality_sentences()
-    engines = {v: Engine(out, variant=v) for v in ["fp32", *variants]}
-    ref = embed_all(engines["fp32"], sentences)
-    report: dict[str, Any] = {"sentences": len(sentences), "variants": {}}
-    pairs = load_stsb(stsb) if stsb is not None else None
-    if pairs is not None:
-        report["stsb_pairs"] = len(pairs[2])
-    for name, engine in engines.items():
-        entry: dict[str, Any] = {}
-        if name != "fp32":
-            cos = _cosines(ref, embed_all(engine, sentences))
-            entry |= {"mean_cosine_to_fp32": float(cos.mean()), "min_cosine_to_fp32": float(cos.min())}
-        if pairs is not None:
-            entry["stsb_spearman_x100"] = stsb_spearman(engine, pairs)
-        report["variants"][name] = entry
-    return report
-
-
-# --8<-- [start:gate]
-def gate_failures(report: dict[str, Any], variant: str) -> list[str]:
-    entry = report["variants"][variant]
-    failures = []
-    if entry["mean_cosine_to_fp32"] < GATE_MEAN_COSINE:
-        short = GATE_MEAN_COSINE - entry["mean_cosine_to_fp32"]
-        failures.append(
-            f"{variant}: mean cosine to fp32 {entry['mean_cosine_to_fp32']:.4f} < {GATE_MEAN_COSINE}"
-            f" (short by {short:.4f})"
-        )
-    if "stsb_spearman_x100" in entry:
-        drop = report["variants"]["fp32"]["stsb_spearman_x100"] - entry["stsb_spearman_x100"]
-        if drop > GATE_STSB_POINTS:
-            failures.append(
-                f"{variant}: STS-B Spearman {drop:.2f} points below fp32 (gate {GATE_STSB_POINTS})"
-            )
-    return failures
-
-
+# --8<-- [start:default]
 def choose_default(report: dict[str, Any]) -> str:
     """PREFERRED_INT8 when it passes the gates, else the other mode."""
     other = "int8-static" if PREFERRED_INT8 == "int8-dynamic" else "int8-dynamic"
     return PREFERRED_INT8 if not gate_failures(report, PREFERRED_INT8) else other
 
 
-# --8<-- [end:gate]
+# --8<-- [end:default]
 
 
 def build(source: str, name: str, out: Path, stsb: Path | None, force: bool) -> int:

@@ -32,8 +32,9 @@ import numpy as np
 
 from common.engine import Engine
 from common.settings import get_settings
-from stage0_script import build_model, corpus
-from stage0_script.build_model import STSB_CSV, StaticRecipe
+from stage0_script import corpus, quality, quantize
+from stage0_script.build_model import STSB_CSV
+from stage0_script.quantize import StaticRecipe
 
 SPEED_MARGIN = 1.05  # static must beat dynamic by this factor to become the default (beyond noise)
 # Node families that may stay fp32 (regexes over the ONNX node names of a BERT export).
@@ -53,10 +54,6 @@ def _families(fp32: Path) -> dict[str, tuple[str, ...]]:
     return {k: tuple(p.replace("{last}", str(last)) for p in v) for k, v in FAMILIES.items()}
 
 
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.asarray((a * b).sum(axis=1), dtype=np.float64)
-
-
 class _Study:
     def __init__(self, model_dir: Path, workdir: Path, stsb: Path | None, stsb_limit: int | None) -> None:
         # A model folder the Engine can load any variant from: the built files plus our static ones.
@@ -70,11 +67,11 @@ class _Study:
         self.max_tokens = int(json.loads((self.dir / "manifest.json").read_text())["max_tokens"])
         self.cache_dir = workdir / "calibration"
         self.cache_dir.mkdir()
-        self.sentences = build_model.quality_sentences()
-        self.pairs = build_model.load_stsb(stsb) if stsb else None
+        self.sentences = quality.quality_sentences()
+        self.pairs = quality.load_stsb(stsb) if stsb else None
         if self.pairs is not None and stsb_limit:
             self.pairs = (self.pairs[0][:stsb_limit], self.pairs[1][:stsb_limit], self.pairs[2][:stsb_limit])
-        self.reference = build_model.embed_all(Engine(self.dir, "fp32"), self.sentences)
+        self.reference = quality.embed_all(Engine(self.dir, "fp32"), self.sentences)
         self.results: dict[str, dict[str, Any]] = {}
 
     def quantize(self, name: str, recipe: StaticRecipe) -> float:
@@ -83,7 +80,7 @@ class _Study:
         calib += f"-smooth{recipe.smooth_alpha}"  # smoothing changes the graph that is calibrated
         cache = self.cache_dir / f"{calib}.json"
         t0 = time.perf_counter()
-        build_model.quantize_static(
+        quantize.quantize_static(
             self.fp32,
             self.dir / name / "model.onnx",
             self.dir / "tokenizer.json",
@@ -99,20 +96,20 @@ class _Study:
         entry["recipe"] = asdict(recipe) if recipe else None
         entry["bytes"] = (self.dir / name / "model.onnx").stat().st_size
         if kind != "fp32":
-            cos = _cosines(self.reference, build_model.embed_all(engine, self.sentences))
+            cos = quality.cosines(self.reference, quality.embed_all(engine, self.sentences))
             entry |= {"mean_cosine_to_fp32": float(cos.mean()), "min_cosine_to_fp32": float(cos.min())}
         if self.pairs is not None:
-            entry["stsb_spearman_x100"] = build_model.stsb_spearman(engine, self.pairs)
+            entry["stsb_spearman_x100"] = quality.stsb_spearman(engine, self.pairs)
         entry["batch_invariance_min_cosine"] = batch_invariance(engine)
         self.results[name] = entry
         fp32 = self.results.get("fp32", entry)
         if kind != "fp32":
             failures = []
-            if entry["mean_cosine_to_fp32"] < build_model.GATE_MEAN_COSINE:
+            if entry["mean_cosine_to_fp32"] < quality.GATE_MEAN_COSINE:
                 failures.append("mean cosine")
             if self.pairs is not None:
                 entry["stsb_drop"] = fp32["stsb_spearman_x100"] - entry["stsb_spearman_x100"]
-                if entry["stsb_drop"] > build_model.GATE_STSB_POINTS:
+                if entry["stsb_drop"] > quality.GATE_STSB_POINTS:
                     failures.append("STS-B")
             entry["gate_failures"] = failures
         print(f"  {name:28s} " + _line(entry), flush=True)
@@ -144,7 +141,7 @@ def batch_invariance(engine: Engine) -> float:
     texts = corpus.texts(24, seed=11, kind="mixed")
     batched = engine.embed(texts).vectors
     alone = np.concatenate([engine.embed([t]).vectors for t in texts])
-    return float(_cosines(alone, batched).min())
+    return float(quality.cosines(alone, batched).min())
 
 
 def speed(study: _Study, names: list[str], rounds: int) -> None:
@@ -285,10 +282,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         speed(study, names, rounds=1 if args.quick else 3)
         results = study.results
     report: dict[str, Any] = {
-        "gates": {"mean_cosine": build_model.GATE_MEAN_COSINE, "stsb_points": build_model.GATE_STSB_POINTS},
+        "gates": {"mean_cosine": quality.GATE_MEAN_COSINE, "stsb_points": quality.GATE_STSB_POINTS},
         "sentences": len(study.sentences),
         "stsb_pairs": len(study.pairs[2]) if study.pairs is not None else 0,
-        "build_recipe": asdict(build_model.STATIC_RECIPE),
+        "build_recipe": asdict(quantize.STATIC_RECIPE),
         "variants": list(results.values()),
     }
     report["decision"] = decide(results)
