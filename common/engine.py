@@ -95,7 +95,7 @@ class Engine:
     ) -> None:
         self.model_dir = Path(model_dir)
         self.manifest = load_manifest(self.model_dir)
-        # "int8" means the INT8 mode the build chose (see the manifest and docs/quantization.md).
+        # "int8" means the INT8 mode the build chose (see the manifest and docs/lab/stage0.md).
         self.variant = self.manifest.get("int8_default", "int8-dynamic") if variant == "int8" else variant
         self.model_id: str = self.manifest["model_id"]
         self.dimensions: int = int(self.manifest["dimensions"])

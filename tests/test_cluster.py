@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ import httpx
 import orjson
 import pytest
 from fresh import fresh_texts
+from prometheus_support import prometheus_log, running_prometheus
 from redis_support import any_redis
 
 # The contract suite, collected again in this module: its tests use the `server` fixture below.
@@ -163,8 +163,6 @@ def _sample(metrics: str, series: str) -> float:
 
 # --- 3. one Prometheus for every replica -----------------------------------------------------------
 def test_prometheus_scrapes_every_replica_with_the_shipped_config(cluster: Cluster, tmp_path: Path) -> None:
-    prometheus = shutil.which("prometheus")
-    assert prometheus is not None, "prometheus is not installed: `make prometheus` (Debian's package)"
     cluster.command(".venv/bin/python", "-m", "deploy.ray.cluster", "targets")
     # The shipped file, with its two relative paths pointed at this test's cluster.
     shipped = (REPO / "deploy" / "ray" / "prometheus.yml").read_text()
@@ -173,21 +171,7 @@ def test_prometheus_scrapes_every_replica_with_the_shipped_config(cluster: Clust
     )
     config = config.replace("../../stage5_metrics/", f"{REPO}/stage5_metrics/")
     (tmp_path / "prometheus.yml").write_text(config)
-    check = subprocess.run(
-        ["promtool", "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True
-    )
-    assert check.returncode == 0, check.stdout + check.stderr
-    port = free_port()
-    args = [
-        prometheus,
-        f"--config.file={tmp_path / 'prometheus.yml'}",
-        f"--storage.tsdb.path={tmp_path / 'data'}",
-        f"--web.listen-address=127.0.0.1:{port}",
-    ]
-    with (tmp_path / "prometheus.log").open("wb") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        query = f"http://127.0.0.1:{port}/api/v1/query"
+    with running_prometheus(tmp_path / "prometheus.yml") as query:
         deadline = time.monotonic() + 60
         replicas: set[str] = set()
         while time.monotonic() < deadline and len(replicas) < 2:
@@ -197,14 +181,10 @@ def test_prometheus_scrapes_every_replica_with_the_shipped_config(cluster: Clust
             except httpx.TransportError:
                 continue
             replicas = {r["metric"]["replica"] for r in result.get("data", {}).get("result", [])}
-        log_text = (tmp_path / "prometheus.log").read_text()
-        assert len(replicas) == 2, f"Prometheus saw {replicas}\n{log_text[-2000:]}"
+        assert len(replicas) == 2, f"Prometheus saw {replicas}\n{prometheus_log(tmp_path / 'prometheus.yml')}"
         # The recording rules of one server work across the fleet: one rate per route and status.
         up = httpx.get(query, params={"query": 'up{job="embedserve-replicas"}'}).json()["data"]["result"]
         assert [r["value"][1] for r in up] == ["1", "1"]
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 # --- 4. the proxy's own refusals ------------------------------------------------------------------

@@ -29,6 +29,7 @@ import jsonschema
 import pytest
 import yaml
 from conftest import Server
+from prometheus_support import prometheus_log, running_prometheus
 
 from common.serve import resolve
 from loadtests.procs import free_port, server_command
@@ -186,8 +187,6 @@ def dashboard_queries() -> list[str]:
 def test_every_dashboard_query_runs_on_a_real_prometheus_scraping_stage5(
     stage_server, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    prometheus = shutil.which("prometheus")
-    assert prometheus is not None, "prometheus is missing: `make prometheus` (Debian's package)"
     server: Server = stage_server("stage5_metrics")
     for _ in range(3):  # something to count
         httpx.post(f"{server.url}/v1/embed", json={"inputs": ["dashboard", "queries"]}, timeout=30)
@@ -201,17 +200,7 @@ def test_every_dashboard_query_runs_on_a_real_prometheus_scraping_stage5(
         "scrape_configs": [{"job_name": "s5", "static_configs": [{"targets": [target]}]}],
     }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    args = [
-        prometheus,
-        f"--config.file={tmp_path / 'prometheus.yml'}",
-        f"--storage.tsdb.path={tmp_path / 'data'}",
-        f"--web.listen-address=127.0.0.1:{port}",
-    ]
-    with (tmp_path / "prometheus.log").open("wb") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        api = f"http://127.0.0.1:{port}/api/v1/query"
+    with running_prometheus(tmp_path / "prometheus.yml") as api:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # two scrapes, so rate() has two samples
             try:
@@ -222,12 +211,9 @@ def test_every_dashboard_query_runs_on_a_real_prometheus_scraping_stage5(
                 pass
             time.sleep(0.5)
         else:
-            pytest.fail((tmp_path / "prometheus.log").read_text()[-2000:])
+            pytest.fail(prometheus_log(tmp_path / "prometheus.yml"))
         for expr in dashboard_queries():
             answer = httpx.get(api, params={"query": expr}).json()
             assert answer["status"] == "success", (expr, answer)
         requests = httpx.get(api, params={"query": dashboard_queries()[0]}).json()["data"]["result"]
         assert requests, "the first panel (requests/s) has no data"
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
