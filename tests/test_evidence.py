@@ -301,9 +301,6 @@ def test_known_numbers_come_from_json_values_and_pages(tmp_path: Path) -> None:
     assert sorted(evidence_check.known_numbers(tmp_path)) == [64.0, 511.7, 1234.5]
 
 
-@pytest.mark.skipif(
-    os.environ.get("PROSE_NUMBERS") != "1", reason="chapters being rewritten: PROSE_NUMBERS=1"
-)
 def test_every_number_in_the_chapters_comes_from_a_results_file() -> None:
     problems = unsourced_numbers(evidence_check.chapters(), Sources(evidence_check.known_numbers()))
     assert not problems, (
