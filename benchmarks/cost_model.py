@@ -273,8 +273,14 @@ def markdown(result: dict[str, Any]) -> str:
     share = 100 * (alone - batched) / alone
     saving = [
         f"A text costs the model {alone:.2f} ms alone and {batched:.2f} ms as one of {BATCH_K} sentences in"
-        f" one call: batching saves {alone - batched:.2f} ms a text ({share:.0f} % of the model's time)."
-        f" One more call costs {c['call_overhead_ms']:.2f} ms when the rows have one length, no padding:"
+        + (
+            f" one call: batching saves {alone - batched:.2f} ms a text ({share:.0f} % of the model's time)."
+            if alone >= batched
+            else f" one call: in this run a batch cost {batched - alone:.2f} ms a text more"
+            f" ({-share:.0f} % of the model's time), the padding to its longest sentence outweighing"
+            " the calls it saved."
+        )
+        + f" One more call costs {c['call_overhead_ms']:.2f} ms when the rows have one length, no padding:"
         " the most a batch can save a text."
     ]
     h = http32["server_cpu_ms"]

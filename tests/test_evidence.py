@@ -2,8 +2,8 @@
 
 The two checks on the committed docs (``test_the_committed_evidence_is_current`` and
 ``test_every_number_in_the_chapters_comes_from_a_results_file``) are the ones the lead acts on:
-the first fails until `make results` has run at a clean commit; the second runs when
-PROSE_NUMBERS=1 (the chapters are being rewritten; set it, or delete the skip, once they are).
+the first fails until `make results` has run at a clean commit (and after a default changes);
+the second fails on a measured-looking number in a chapter that no results file holds.
 """
 
 from __future__ import annotations
