@@ -47,7 +47,15 @@ def _read_status(sock: socket.socket) -> int:
 def _answer(sock: socket.socket) -> str:
     """The status line and the start of the body, for a failure message."""
     sock.settimeout(5)
-    data = sock.recv(4096)
+    data = b""
+    while len(data) < 4096:  # the requests say Connection: close, so the answer ends at EOF
+        try:
+            chunk = sock.recv(4096)
+        except TimeoutError:
+            break
+        if not chunk:
+            break
+        data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     return (head.split(b"\r\n", 1)[0] + b" " + body[:300]).decode(errors="replace")
 
