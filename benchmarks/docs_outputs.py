@@ -275,7 +275,7 @@ def capture(outputs: Sequence[Output]) -> Iterator[dict[str, Any]]:
 
 # --- shape: what a fresh run must keep ---------------------------------------------------
 _MASKS = (
-    (re.compile(r"\b[0-9a-f]{8,}\b"), "#"),  # request ids, digests
+    (re.compile(r"\b(?=[0-9]*[a-f])[0-9a-f]{8,}\b"), "#"),  # request ids, digests (a letter in them)
     (re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"), "#"),  # every number: values, timings, sizes
 )
 

@@ -172,7 +172,8 @@ async def _wait_for_active(client: httpx.AsyncClient, n: int, timeout_s: float =
 
 
 async def _probe_after_signal(url: str, probes: int) -> dict[str, int]:
-    """New requests after SIGTERM, each on a fresh connection: refused or 503, never a 5xx or a cut."""
+    """New requests after SIGTERM, each on a fresh connection: refused (or reset unread) or 503,
+    never a 5xx or a cut."""
     seen: Counter[str] = Counter()
     for _ in range(probes):
         async with httpx.AsyncClient(base_url=url, timeout=30) as fresh:
@@ -181,6 +182,11 @@ async def _probe_after_signal(url: str, probes: int) -> dict[str, int]:
                 seen[str(r.status_code)] += 1
             except httpx.ConnectError:
                 seen["refused"] += 1
+            except httpx.ReadError:
+                # Connected while the listening socket was closing: the kernel had the connection in
+                # the backlog, the server never accepted it, and closing the socket reset it. The
+                # request was never read: a refusal too, seen from the client as a reset.
+                seen["reset"] += 1
             except httpx.TransportError as exc:
                 seen[type(exc).__name__] += 1
         await asyncio.sleep(0.1)
