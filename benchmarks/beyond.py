@@ -259,12 +259,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.duration = args.duration or (4.0 if args.quick else 15.0)
     result = {"stamp": {}, **measure(args, run)}
     result["stamp"] = run.stamp(SERVER_ENV)
-    out = args.out or run.results_dir
-    evidence.write_json(out / "beyond.json", result)
-    evidence.write_text(out / "beyond.md", markdown(result))
-    print(markdown(result))
-    print(f"wrote {out / 'beyond.json'} and {out / 'beyond.md'}")
-    evidence.against_reference(run, "beyond.json", result, headline)
+    evidence.publish(run, args.out, "beyond", result, markdown, headline)
 
 
 if __name__ == "__main__":

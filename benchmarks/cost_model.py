@@ -44,6 +44,7 @@ import psutil
 
 from benchmarks.stage3 import bodies_for
 from common.engine import Engine
+from common.serve import STAGES  # every server stage, in order
 from common.settings import Settings
 from loadtests import evidence, wrk
 from loadtests.harness import process_cpu, settle
@@ -52,13 +53,6 @@ from loadtests.tables import num, page, table
 from stage0_script import corpus
 
 NULL_STAGE = "benchmarks.null_backend"
-STAGES = (
-    "stage1_naive",
-    "stage2_threadpool",
-    "stage3_batching",
-    "stage4_cache_backpressure",
-    "stage5_metrics",
-)
 SHORT = {s: f"stage {s[5]}" for s in STAGES}
 CONNECTIONS = (1, 32)
 BATCH_K = 16  # rows in the one-call-of-k measurements
@@ -334,11 +328,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "cores_until_the_loop_limits": round(cores_until_the_loop_limits(constants), 2),
     }
     result["stamp"] = run.stamp()
-    evidence.write_json(out / "cost_model.json", result)
-    evidence.write_text(out / "cost_model.md", markdown(result))
-    print(markdown(result))
-    print(f"wrote {out / 'cost_model.json'} and {out / 'cost_model.md'}")
-    evidence.against_reference(run, "cost_model.json", result, headline)
+    evidence.publish(run, out, "cost_model", result, markdown, headline)
 
 
 if __name__ == "__main__":
