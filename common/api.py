@@ -3,8 +3,8 @@
 A stage supplies a *backend*: an object with ``async def embed(job) -> EmbedResult``
 (and optionally ``async def start()`` / ``async def close()``). Everything else,
 routes, validation, limits, errors, headers and JSON encoding, lives here (the HTTP
-plumbing, bodies read in one pass and errors in one shape, in ``common.routing``), so the
-stages differ only in how they call the model.
+plumbing, bodies read in one pass and errors in one shape, in ``common.routing``; what a backend
+sees and returns, in ``common.backend``), so the stages differ only in how they call the model.
 
 Routes: ``POST /v1/embed``, ``POST /v1/embeddings`` (OpenAI shape), ``GET /v1/models``,
 ``GET /health`` (liveness), ``GET /ready`` (readiness).
@@ -15,18 +15,25 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from common.auth import install_auth
-from common.engine import Engine, TokenizedText
+from common.backend import (
+    Backend,
+    BackendFactory,
+    EmbedJob,
+    EmbedResult,
+    check_truncation,
+    tokenize,
+    validate_texts,
+)
+from common.engine import Engine
 from common.limits import APIError, BodyGuard
 from common.routing import (
     ERRORS,
@@ -67,94 +74,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("embedserve")
-
-# Tokenizing this many characters on the event loop would stall it; hand it to a thread.
-_TOKENIZE_IN_THREAD_CHARS = 8_000
-
-
-# --- what a backend sees and returns -------------------------------------------
-@dataclass(slots=True)
-class EmbedJob:
-    """One validated request, handed to a stage's backend. The backend tokenizes (``tokenize``),
-    so a stage with a cache can answer a hit before the tokenizer runs."""
-
-    texts: list[str]
-    normalize: bool = True
-    truncate: bool = True  # false: a text over the model's token limit is a 422
-    use_cache: bool = True
-    deadline: float | None = None  # time.monotonic() after which the answer is useless
-    request: Request | None = None  # for disconnect checks
-    param: str = "inputs"  # the body field the texts came from, for error messages
-
-
-@dataclass(slots=True)
-class EmbedResult:
-    """What a backend answers; the contract turns the optional fields into response headers."""
-
-    vectors: np.ndarray  # (len(texts), dim) float32, normalized when the job asked
-    n_tokens: list[int]  # per text, special tokens included (OpenAI `usage`)
-    truncated: list[bool]  # per text: cut at the model's token limit?
-    inference_ms: float = 0.0  # model time this request waited on (0: no model ran, a cache hit)
-    queue_ms: float | None = None  # stages with a queue: the longest wait of the request's texts
-    batch_sizes: list[int] | None = None  # stages that batch: the sizes of the request's batches
-    cache_hits: int | None = None  # stages with a cache: texts answered from it (None: no cache)
-    cache_bypassed: bool = False  # the client asked not to use the cache (`cache: false`, no-cache)
-
-
-class Backend(Protocol):
-    async def embed(self, job: EmbedJob) -> EmbedResult: ...
-
-
-BackendFactory = Callable[[Engine, Settings], Backend]
-
-
-# --- helpers --------------------------------------------------------------------
-def validate_texts(texts: list[str], settings: Settings, param: str) -> None:
-    if not texts:
-        raise APIError(422, f"`{param}` is an empty list; send at least one text", param=param)
-    if len(texts) > settings.max_items:
-        raise APIError(
-            422,
-            f"`{param}` holds {len(texts)} texts; at most MAX_ITEMS={settings.max_items} per request",
-            param=param,
-        )
-    for i, text in enumerate(texts):
-        if not text:
-            raise APIError(422, f"`{param}[{i}]` is an empty string", param=f"{param}[{i}]")
-        if len(text) > settings.max_chars:
-            raise APIError(
-                422,
-                f"`{param}[{i}]` has {len(text)} characters; at most MAX_CHARS={settings.max_chars}",
-                param=f"{param}[{i}]",
-            )
-
-
-async def tokenize(engine: Engine, job: EmbedJob, rows: list[int] | None = None) -> list[TokenizedText]:
-    """Token ids of the job's texts (or of those at ``rows``); 422 past the token limit when the
-    job does not allow truncation. Short input is tokenized on the event loop (microseconds a
-    text), long input in a thread so it cannot stall the loop."""
-    rows = list(range(len(job.texts))) if rows is None else rows
-    texts = [job.texts[i] for i in rows]
-    if sum(len(t) for t in texts) > _TOKENIZE_IN_THREAD_CHARS:
-        tokens = await run_in_threadpool(engine.tokenize, texts)
-    else:
-        tokens = engine.tokenize(texts)
-    check_truncation(engine, job, zip(rows, (t.truncated for t in tokens), strict=True))
-    return tokens
-
-
-def check_truncation(engine: Engine, job: EmbedJob, flags: Iterable[tuple[int, bool]]) -> None:
-    """For a job with ``truncate`` false: 422 naming the first text (row, was it cut?) that was cut."""
-    if job.truncate:
-        return
-    for i, cut in flags:
-        if cut:
-            raise APIError(
-                422,
-                f"`{job.param}[{i}]` is longer than the model's {engine.max_tokens}-token limit"
-                " and `truncate` is false",
-                param=f"{job.param}[{i}]",
-            )
 
 
 def _deadline(request: Request, settings: Settings) -> float:

@@ -3,6 +3,8 @@
 Two checks, both against fp32: the cosine of each project sentence's vector (mean at least
 GATE_MEAN_COSINE), and, with the STS-benchmark pairs, the Spearman correlation with human scores
 (at most GATE_STSB_POINTS below fp32). ``build_model`` serves a variant only when it passes.
+The quantization study adds a third figure: batch invariance (a text alone against the same text
+in a padded batch).
 """
 
 from __future__ import annotations
@@ -99,3 +101,11 @@ def gate_failures(report: dict[str, Any], variant: str) -> list[str]:
 
 
 # --8<-- [end:gate]
+
+
+def batch_invariance(engine: Engine) -> float:
+    """Lowest cosine between a text embedded alone and inside one padded batch of mixed lengths."""
+    texts = corpus.texts(24, seed=11, kind="mixed")
+    batched = engine.embed(texts).vectors
+    alone = np.concatenate([engine.embed([t]).vectors for t in texts])
+    return float(cosines(alone, batched).min())

@@ -20,7 +20,6 @@ import argparse
 import json
 import re
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -28,11 +27,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from common.engine import Engine
 from common.settings import get_settings
-from stage0_script import corpus, quality, quantize
+from stage0_script import quality, quantize, speed
 from stage0_script.build_model import STSB_CSV
 from stage0_script.quantize import StaticRecipe
 
@@ -100,7 +97,7 @@ class _Study:
             entry |= {"mean_cosine_to_fp32": float(cos.mean()), "min_cosine_to_fp32": float(cos.min())}
         if self.pairs is not None:
             entry["stsb_spearman_x100"] = quality.stsb_spearman(engine, self.pairs)
-        entry["batch_invariance_min_cosine"] = batch_invariance(engine)
+        entry["batch_invariance_min_cosine"] = quality.batch_invariance(engine)
         self.results[name] = entry
         fp32 = self.results.get("fp32", entry)
         if kind != "fp32":
@@ -134,58 +131,6 @@ class _Study:
 def _line(entry: dict[str, Any]) -> str:
     keys = ("mean_cosine_to_fp32", "min_cosine_to_fp32", "stsb_spearman_x100", "batch_invariance_min_cosine")
     return "  ".join(f"{k.split('_to')[0]}={entry[k]:.4f}" for k in keys if k in entry)
-
-
-def batch_invariance(engine: Engine) -> float:
-    """Lowest cosine between a text embedded alone and inside one padded batch of mixed lengths."""
-    texts = corpus.texts(24, seed=11, kind="mixed")
-    batched = engine.embed(texts).vectors
-    alone = np.concatenate([engine.embed([t]).vectors for t in texts])
-    return float(quality.cosines(alone, batched).min())
-
-
-def speed(study: _Study, names: list[str], rounds: int) -> None:
-    """Load time and model throughput at batch 1 and 32, one ONNX thread, variants interleaved.
-
-    The machine is shared, so wall-clock time measures the neighbours too. With one intra-op
-    thread ONNX Runtime computes on the calling thread, and that thread's CPU time is what the
-    model itself costs: texts per CPU-second (median of rounds) is what the decision uses.
-    Wall-clock texts/s (best of rounds) is kept beside it.
-    """
-    tokenizer = Engine(study.dir, "fp32").tokenize
-    singles = [t.ids for t in tokenizer(corpus.texts(24, seed=12, kind="sentence"))]
-    batches = [[t.ids for t in tokenizer(corpus.texts(32, seed=13 + i, kind="mixed"))] for i in range(2)]
-    calls = {"b1": [[ids] for ids in singles], "b32": batches}
-    samples: dict[str, dict[str, list[float]]] = {n: {} for n in names}
-    for _ in range(rounds):
-        for name in names:
-            engine = Engine(study.dir, name, intra_threads=1)
-            samples[name].setdefault("load", []).append(engine.load_seconds)
-            engine.run(batches[0][:4])  # warm-up
-            for key, batch_list in calls.items():
-                texts = sum(len(b) for b in batch_list)
-                cpu, wall = time.thread_time(), time.perf_counter()
-                for batch in batch_list:
-                    engine.run(batch)
-                samples[name].setdefault(f"{key}_cpu", []).append(texts / (time.thread_time() - cpu))
-                samples[name].setdefault(f"{key}_wall", []).append(texts / (time.perf_counter() - wall))
-            del engine
-    for name in names:
-        got = samples[name]
-        study.results[name] |= {
-            "load_s": statistics.median(got["load"]),
-            "texts_per_cpu_s_b1": statistics.median(got["b1_cpu"]),
-            "texts_per_cpu_s_b32": statistics.median(got["b32_cpu"]),
-            "texts_per_s_b1_wall_best": max(got["b1_wall"]),
-            "texts_per_s_b32_wall_best": max(got["b32_wall"]),
-        }
-        r = study.results[name]
-        print(
-            f"  {name:28s} load={r['load_s']:.2f}s  per CPU-second: b1={r['texts_per_cpu_s_b1']:.0f}"
-            f"  b32={r['texts_per_cpu_s_b32']:.0f}  wall best: b1={r['texts_per_s_b1_wall_best']:.0f}"
-            f"  b32={r['texts_per_s_b32_wall_best']:.0f}",
-            flush=True,
-        )
 
 
 def decide(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -279,7 +224,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             study.static(name, replace(best_recipe, calibration_texts=512), f"{best_note}, 512 texts")
         print("speed (interleaved rounds, median)", flush=True)
         names = [n for n, r in study.results.items() if "error" not in r]
-        speed(study, names, rounds=1 if args.quick else 3)
+        for name, figures in speed.variants(study.dir, names, rounds=1 if args.quick else 3).items():
+            study.results[name] |= figures
         results = study.results
     report: dict[str, Any] = {
         "gates": {"mean_cosine": quality.GATE_MEAN_COSINE, "stsb_points": quality.GATE_STSB_POINTS},

@@ -6,61 +6,32 @@ arrival) for a full batch, takes the oldest texts that fit MAX_BATCH_SIZE and MA
 and runs them in an executor thread, BATCH_CONCURRENCY batches side by side. Each caller gets
 its own rows; if the model raises, every caller of that batch gets the error; a caller that is
 gone (cancelled, past its deadline) is dropped before the model. That is the whole idea (Ray
-Serve's ``batching.py`` has the same shape) and a working batcher on its own.
+Serve's ``batching.py`` has the same shape) and a working batcher on its own. What surrounds it
+(state, start and close, the hooks, the figures) is in ``base.py``.
 
-The refinements the chapter adds one at a time are subclasses that override a hook here:
-``tier``/``window_s`` (how long a batch waits: tiers.py), ``_take`` (which texts form the next
-batch: grouping.py), ``_compute``/``_run_rows`` (what the model thread does with a batch:
-buckets.py, isolation.py). ``app.py`` composes them into the batcher the server runs.
+The refinements the chapter adds one at a time are subclasses that override a method: ``tier``/
+``window_s`` (tiers.py), ``_take`` (grouping.py), ``_compute``/``_run_rows`` (buckets.py,
+isolation.py), ``batch_limit`` (slots.py). ``app.py`` composes them into the server's batcher.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 
 import numpy as np
 
 from common.engine import TokenizedText
 from common.limits import APIError
-from common.settings import Settings
+from stage3_batching.base import BatcherBase, fail_batch, fits
 from stage3_batching.pending import BatchOutcome, Computed, DeadlineExceeded, PendingRequest, QueuedText
 from stage3_batching.stats import BatcherStats, BatchRecord
 
-__all__ = ["BatchOutcome", "BatchRecord", "Batcher", "BatcherStats", "Computed", "DeadlineExceeded"]
-log = logging.getLogger("embedserve.batcher")
+__all__ = ["BatchOutcome", "BatchRecord", "Batcher", "BatcherStats", "Computed", "DeadlineExceeded", "fits"]
 
 
-def fits(n: int, longest: int, s: Settings) -> bool:
-    """Whether ``n`` texts padded to ``longest`` tokens fit one batch."""
-    return n <= s.max_batch_size and n * longest <= s.max_batch_tokens
-
-
-# --8<-- [start:submit]
-class Batcher:
-    def __init__(
-        self,
-        run: Callable[[list[np.ndarray]], np.ndarray],
-        settings: Settings,
-        *,
-        on_batch: Callable[[BatchRecord], None] | None = None,
-    ) -> None:
-        self._run, self.settings, self._on_batch = run, settings, on_batch
-        self.stats = BatcherStats()
-        self._queue: deque[QueuedText] = deque()  # arrival order
-        self._wakeup = asyncio.Event()
-        self._idle = True  # the loop waits for a first text
-        self._closing = False
-        self._task: asyncio.Task[None] | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._in_flight = 0  # batches handed to the model slots (running, or ready for a slot)
-        self._in_flight_texts = 0  # the texts in them
-
+class Batcher(BatcherBase):
     # --8<-- [start:submit_method]
     async def submit(self, tokens: Sequence[TokenizedText], *, deadline: float | None = None) -> BatchOutcome:
         """Queue the texts, wait for all their vectors (in order)."""
@@ -83,62 +54,6 @@ class Batcher:
 
     # --8<-- [end:submit_method]
 
-    def _expire(self, req: PendingRequest) -> None:
-        if req.taken == 0:  # still wholly queued; texts already in the model finish normally
-            req.expire()
-
-    # --8<-- [end:submit]
-
-    @property
-    def queue_depth(self) -> int:
-        """Texts queued, not yet taken into a batch."""
-        return len(self._queue)
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    def tier(self, depth: int) -> str:
-        """The load tier a batch counts under. One here: every batch may wait the window, what
-        ``LoadTiers`` (tiers.py) calls MEDIUM."""
-        return "medium"
-
-    def window_s(self, tier: str) -> float:
-        """How long a batch may wait for more texts, counted from its oldest text's arrival."""
-        return self.settings.batch_window_ms / 1e3
-
-    def batch_limit(self) -> int:
-        """Most texts the next batch may take."""
-        return self.settings.max_batch_size
-
-    def batches_at_once(self) -> int:
-        """Batches handed to the model slots at once: one per slot."""
-        return self.settings.batch_concurrency
-
-    async def start(self) -> None:
-        # A thread per model slot: BATCH_CONCURRENCY batches side by side, no more.
-        slots = self.settings.batch_concurrency
-        self._pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="batcher")
-        dispatch = asyncio.Semaphore(self.batches_at_once())
-        self._task = asyncio.create_task(self._loop(dispatch), name="batcher")
-
-    async def close(self) -> None:
-        """Finish everything already queued, then stop."""
-        self._closing = True
-        self._wakeup.set()
-        if self._task is not None:
-            await asyncio.wait([self._task])
-        for text in self._drain():  # only if the loop died: nobody waits forever
-            text.req.fail(APIError(503, "the server is shutting down"))
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-
-    def _drain(self) -> list[QueuedText]:
-        left = list(self._queue)
-        self._queue.clear()
-        return left
-
-    # --8<-- [start:loop]
     async def _loop(self, slots: asyncio.Semaphore) -> None:
         running: set[asyncio.Task[None]] = set()
         while True:
@@ -160,7 +75,7 @@ class Batcher:
                     task.add_done_callback(running.discard)
                     continue
             except Exception as exc:  # never die: answer this batch's callers, keep serving
-                _fail(batch, exc)
+                fail_batch(batch, exc)
             slots.release()  # nothing to run: every caller in it was gone
 
     # --8<-- [start:wait]
@@ -187,9 +102,6 @@ class Batcher:
 
     # --8<-- [end:wait]
 
-    # --8<-- [end:loop]
-
-    # --8<-- [start:take]
     def _take(self) -> list[QueuedText]:
         """The next batch: the oldest texts that fit MAX_BATCH_SIZE and MAX_BATCH_TOKENS."""
         limit = self.batch_limit()
@@ -218,14 +130,11 @@ class Batcher:
             return False
         return True
 
-    # --8<-- [end:take]
-
-    # --8<-- [start:run]
     async def _run_in_slot(self, batch: list[QueuedText], tier: str, slots: asyncio.Semaphore) -> None:
         try:
             await self._run_batch(batch, tier)
         except Exception as exc:  # answer this batch's callers; the loop keeps serving
-            _fail(batch, exc)
+            fail_batch(batch, exc)
         finally:
             self._in_flight -= 1
             self._in_flight_texts -= len(batch)
@@ -235,19 +144,7 @@ class Batcher:
         started = time.perf_counter()
         # NEW: the model runs in an executor thread; the event loop keeps serving
         done = await asyncio.get_running_loop().run_in_executor(self._pool, self._timed, batch)
-        record = BatchRecord(
-            size=len(batch),
-            padded_tokens=done.padded_tokens,
-            real_tokens=sum(t.n_tokens for t in batch),
-            tier=tier,
-            queue_ms=[(started - t.req.enqueued) * 1e3 for t in batch],
-            inference_ms=(time.perf_counter() - started) * 1e3,
-            error=next((type(e).__name__ for e in done.errors.values()), None),
-            calls=done.calls,
-            started=started,
-            slot=done.slot,
-            model_s=done.model_s,
-        )
+        record = self._record(batch, tier, started, done)
         # --8<-- [start:fanout]
         for row, text in enumerate(batch):  # hand each caller its rows
             if done.vectors is None or row in done.errors:
@@ -255,25 +152,11 @@ class Batcher:
             else:
                 text.req.deliver(text.index, done.vectors[row], record, record.queue_ms[row])
         # --8<-- [end:fanout]
-        self.stats.add(record)
-        if self._on_batch is not None:
-            try:
-                self._on_batch(record)
-            except Exception:
-                log.exception("on_batch observer failed")
+        self._report(record)
 
-    # --8<-- [end:run]
-
-    def _timed(self, batch: list[QueuedText]) -> Computed:
-        """Executor thread: ``_compute``, and which slot ran it for how long (slot utilisation)."""
-        started = time.perf_counter()
-        done = self._compute(batch)
-        done.model_s, done.slot = time.perf_counter() - started, threading.current_thread().name
-        return done
-
-    # --8<-- [start:compute]
+    # --- the model thread (an executor thread, never the event loop) --------------------------
     def _compute(self, batch: list[QueuedText]) -> Computed:
-        """Executor thread: everything the model thread receives (the batch) and does. One call here."""
+        """One model call on the whole batch, every row padded to its longest."""
         ids = [t.ids for t in batch]
         done = Computed(len(batch), padded_tokens=len(batch) * max(t.n_tokens for t in batch))
         self._run_rows(ids, list(range(len(batch))), done)
@@ -285,19 +168,3 @@ class Batcher:
             done.put(rows, self._call(ids, rows, done))
         except Exception as exc:
             done.errors.update(dict.fromkeys(rows, exc))
-
-    def _call(self, ids: list[np.ndarray], rows: list[int], done: Computed) -> np.ndarray:
-        done.calls += 1
-        vectors = self._run([ids[r] for r in rows])
-        if vectors.shape[0] != len(rows):  # never hand a caller someone else's vector
-            raise RuntimeError(f"the model returned {vectors.shape[0]} vectors for {len(rows)} texts")
-        return vectors
-
-    # --8<-- [end:compute]
-
-
-def _fail(batch: list[QueuedText], exc: Exception) -> None:
-    """An error outside the model call: log it, and answer every caller in the batch with it."""
-    log.exception("batcher loop error")
-    for text in batch:
-        text.req.fail(exc)

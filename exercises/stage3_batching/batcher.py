@@ -9,9 +9,11 @@ batcher" (the refinements after it are not part of this exercise).
 
 Write the five methods marked TODO, in this order: ``submit``, ``_wait_for_batch``, ``_take``,
 ``_run_rows`` (the model thread: one call, its errors kept by row) and ``_run_batch`` (the
-fan-out). The rest is given: starting and closing, the loop that hands batches to the model
-slots, the counters. What a caller leaves in the queue is in ``stage3_batching/pending.py``:
-read ``PendingRequest`` (``deliver``, ``fail``, ``expire``) and ``QueuedText`` first.
+fan-out). The rest is given: the loop that hands batches to the model slots, here; the
+state, starting and closing, the hooks and the counters, in ``stage3_batching/base.py``, which
+this class extends (read its ``__init__`` for the fields you use). What a caller leaves in the
+queue is in ``stage3_batching/pending.py``: read ``PendingRequest`` (``deliver``, ``fail``,
+``expire``) and ``QueuedText`` first.
 
 Check your work (stage 3's own batcher tests, those of the textbook batcher, run against this class):
 
@@ -35,47 +37,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 
 import numpy as np
 
 from common.engine import TokenizedText
 from common.limits import APIError
-from common.settings import Settings
-from stage3_batching.pending import BatchOutcome, Computed, PendingRequest, QueuedText
-from stage3_batching.stats import BatcherStats, BatchRecord
+from stage3_batching.base import BatcherBase, fits  # noqa: F401 (you call fits in _take)
+from stage3_batching.pending import BatchOutcome, Computed, QueuedText
 
 log = logging.getLogger("embedserve.batcher")
 
 
-def fits(n: int, longest: int, s: Settings) -> bool:
-    """Whether ``n`` texts padded to ``longest`` tokens fit one batch."""
-    return n <= s.max_batch_size and n * longest <= s.max_batch_tokens
-
-
-class Batcher:
-    def __init__(
-        self,
-        run: Callable[[list[np.ndarray]], np.ndarray],
-        settings: Settings,
-        *,
-        on_batch: Callable[[BatchRecord], None] | None = None,
-    ) -> None:
-        self._run, self.settings, self._on_batch = run, settings, on_batch
-        self.stats = BatcherStats()
-        self._queue: deque[QueuedText] = deque()  # arrival order
-        self._wakeup = asyncio.Event()  # set: the loop has something to decide
-        self._idle = True  # the loop waits for a first text
-        self._closing = False
-        self._task: asyncio.Task[None] | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._in_flight = 0  # batches handed to the model slots
-        self._in_flight_texts = 0  # the texts in them
-
+class Batcher(BatcherBase):
     async def submit(self, tokens: Sequence[TokenizedText], *, deadline: float | None = None) -> BatchOutcome:
         """Queue the texts, wait for all their vectors (in order).
 
@@ -94,60 +69,7 @@ class Batcher:
             raise APIError(503, "the batcher is not running", headers={"Retry-After": "1"})
         raise NotImplementedError("TODO: submit: queue the texts with one future and await it")
 
-    def _expire(self, req: PendingRequest) -> None:
-        """Given: the deadline passed. Only a caller still wholly queued gets its 504."""
-        if req.taken == 0:  # texts already in the model finish normally
-            req.expire()
-
-    @property
-    def queue_depth(self) -> int:
-        """Texts queued, not yet taken into a batch."""
-        return len(self._queue)
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    def tier(self, depth: int) -> str:
-        """The load tier a batch counts under. One here: every batch may wait the window."""
-        return "medium"
-
-    def window_s(self, tier: str) -> float:
-        """How long a batch may wait for more texts, counted from its oldest text's arrival."""
-        return self.settings.batch_window_ms / 1e3
-
-    def batch_limit(self) -> int:
-        """Most texts the next batch may take."""
-        return self.settings.max_batch_size
-
-    def batches_at_once(self) -> int:
-        """Batches handed to the model slots at once: one per slot."""
-        return self.settings.batch_concurrency
-
-    # --- given: start, close, and the loop that hands batches to the model slots ----------
-    async def start(self) -> None:
-        # A thread per model slot: BATCH_CONCURRENCY batches side by side, no more.
-        slots = self.settings.batch_concurrency
-        self._pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="batcher")
-        dispatch = asyncio.Semaphore(self.batches_at_once())
-        self._task = asyncio.create_task(self._loop(dispatch), name="batcher")
-
-    async def close(self) -> None:
-        """Finish everything already queued, then stop."""
-        self._closing = True
-        self._wakeup.set()
-        if self._task is not None:
-            await asyncio.wait([self._task])
-        for text in self._drain():  # only if the loop died: nobody waits forever
-            text.req.fail(APIError(503, "the server is shutting down"))
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-
-    def _drain(self) -> list[QueuedText]:
-        left = list(self._queue)
-        self._queue.clear()
-        return left
-
+    # --- given: the loop that hands batches to the model slots (the rest is in base.py) -------
     async def _loop(self, slots: asyncio.Semaphore) -> None:
         running: set[asyncio.Task[None]] = set()
         while True:
@@ -242,39 +164,7 @@ class Batcher:
         """
         raise NotImplementedError("TODO: _run_batch: run the batch, hand each caller its rows")
 
-    def _record(self, batch: list[QueuedText], tier: str, started: float, done: Computed) -> BatchRecord:
-        """Given: what the batch was, for /v1/batcher/metrics and the ``on_batch`` observers."""
-        return BatchRecord(
-            size=len(batch),
-            padded_tokens=done.padded_tokens,
-            real_tokens=sum(t.n_tokens for t in batch),
-            tier=tier,
-            queue_ms=[(started - t.req.enqueued) * 1e3 for t in batch],
-            inference_ms=(time.perf_counter() - started) * 1e3,
-            error=next((type(e).__name__ for e in done.errors.values()), None),
-            calls=done.calls,
-            started=started,
-            slot=done.slot,
-            model_s=done.model_s,
-        )
-
-    def _report(self, record: BatchRecord) -> None:
-        """Given: count the batch, tell the observer; an observer's bug never stops the batcher."""
-        self.stats.add(record)
-        if self._on_batch is not None:
-            try:
-                self._on_batch(record)
-            except Exception:
-                log.exception("on_batch observer failed")
-
     # --- the model thread (runs in the executor, never on the event loop) -------------------
-    def _timed(self, batch: list[QueuedText]) -> Computed:
-        """Given: ``_compute``, and which slot ran it for how long."""
-        started = time.perf_counter()
-        done = self._compute(batch)
-        done.model_s, done.slot = time.perf_counter() - started, threading.current_thread().name
-        return done
-
     def _compute(self, batch: list[QueuedText]) -> Computed:
         """Given: one model call on the whole batch, every row padded to its longest."""
         ids = [t.ids for t in batch]
@@ -290,11 +180,3 @@ class Batcher:
         Do not let it escape: the callers get it through ``_run_batch``.
         """
         raise NotImplementedError("TODO: _run_rows: one model call, its error kept by row")
-
-    def _call(self, ids: list[np.ndarray], rows: list[int], done: Computed) -> np.ndarray:
-        """Given: the model call itself, checked: never hand a caller someone else's vector."""
-        done.calls += 1
-        vectors = self._run([ids[r] for r in rows])
-        if vectors.shape[0] != len(rows):
-            raise RuntimeError(f"the model returned {vectors.shape[0]} vectors for {len(rows)} texts")
-        return vectors
