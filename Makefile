@@ -69,7 +69,7 @@ PROFILE ?= unique-32
 DURATION ?= 30
 EVIDENCE = $(if $(QUICK),--quick) $(if $(RECORD),--record) $(if $(ALLOW_DIRTY),--allow-dirty)
 .PHONY: results loadtest loadtest-headless loadtest-screenshots compare bench bench-stage0 bench-stage2 \
-	bench-stage3 bench-stage3-refinements bench-stage4 bench-stage5 stage5-overhead bench-layers bench-flood bench-windows wrk \
+	bench-stage3 bench-stage3-refinements bench-stage4 bench-stage5 stage5-overhead bench-layers bench-flood bench-windows wrk before-after \
 	dashboard-screenshot quant-study settings-doc evidence-check docs-outputs bench-cost-model
 
 ## results: every results file, table and plot the docs include, in order (QUICK=1: briefly, into out/)
@@ -134,7 +134,11 @@ bench-stage5 stage5-overhead: setup
 dashboard-screenshot: setup browser
 	$(PY) -m benchmarks.stage5_screenshot $(EVIDENCE) $(ARGS)
 
-## bench-layers: stages 2, 3 and 5 in turns on all-unique texts, the engine as yardstick (~6 min; QUICK=1 ~1 min)
+## before-after: the stages of BEFORE (default: before the layout) and of this checkout, in turns (~30 min)
+before-after: setup
+	$(PY) -m benchmarks.before_after $(EVIDENCE) $(if $(BEFORE),--before $(BEFORE)) $(ARGS)
+
+## bench-layers: stages 2 to 5 in turns on all-unique texts, the engine as yardstick (~8 min; QUICK=1 ~1 min)
 bench-layers: setup wrk
 	$(PY) -m benchmarks.layers $(EVIDENCE) $(ARGS)
 

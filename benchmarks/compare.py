@@ -96,7 +96,7 @@ def _texts_per_s(engine: Engine, texts: list[str], batch: int, calls: int, secon
 # --8<-- [end:ceiling]
 
 
-def _select_profiles(names: str | None, users: str | None) -> list[Profile]:
+def select_profiles(names: str | None, users: str | None) -> list[Profile]:
     chosen = list(PROFILES)
     if names:
         wanted = {n.strip() for n in names.split(",")}
@@ -149,13 +149,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_stage(stage: str, profiles: list[Profile], args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_stage(
+    stage: str, profiles: list[Profile], args: argparse.Namespace, tree: Path = evidence.REPO, label: str = ""
+) -> list[dict[str, Any]]:
+    """Start ``stage`` (from the checkout ``tree``), warm it up, run every profile, stop it."""
     port = args.port or free_port()
     url = f"http://{args.host}:{port}"
-    raw = args.raw / stage
+    raw = args.raw / (f"{label}-{stage}" if label else stage)
     results = []
     t0 = time.monotonic()
-    with running_stage(stage, raw, COMPARE_ENV, without=COMPARE_WITHOUT, port=port, host=args.host) as server:
+    env, host = COMPARE_ENV, args.host
+    with running_stage(stage, raw, env, without=COMPARE_WITHOUT, port=port, host=host, tree=tree) as server:
         print(f"{stage}: ready in {time.monotonic() - t0:.1f} s on {url}", flush=True)
         answered = harness.warm_up(url, args.warmup)
         print(f"{stage}: warm-up answered {answered} requests in {args.warmup:g} s", flush=True)
@@ -201,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     skipped = [s for s in wanted if s not in present]
     for s in skipped:
         print(f"{s}: skipped, it does not exist in this checkout yet", flush=True)
-    profiles = _select_profiles(args.profiles, args.users)
+    profiles = select_profiles(args.profiles, args.users)
     if args.endpoint != "/v1/embed":
         profiles = [replace(p, options=(*p.options, "--endpoint", args.endpoint)) for p in profiles]
 

@@ -12,8 +12,9 @@ the load tests):
   a stage 2 worker or a stage 3 slot spends per call; ``model_ms_all_threads``: the same call
   with ONNX Runtime's default threads (wall time), the way stage 0's script and stage 1 call it;
 * ``call_overhead_ms``: what one more call costs, from k calls of one row against one call of
-  k rows of the same length (no padding); ``per_text_in_batch_ms``: a text's share of one call
-  of k real sentences (padded to the longest, as a batch is);
+  k rows of the same length (no padding), and the same in padded tokens
+  (``call_overhead_tokens``, the unit of CALL_OVERHEAD_TOKENS); ``per_text_in_batch_ms``: a
+  text's share of one call of k real sentences (padded to the longest, as a batch is);
 * ``tokenize_ms``: one text through the tokenizer; ``hop_ms``: one hand-off to a worker thread
   and back (``run_in_executor`` of a function that does nothing);
 * ``http``: the server with the real API contract and no model (``benchmarks/null_backend``)
@@ -84,18 +85,24 @@ def model_constants(settings: Settings, texts: list[str], rounds: int, n: int) -
     same = [ids[0]] * BATCH_K  # k rows of one length: no padding, only the calls differ
     chunks = [ids[i : i + BATCH_K] for i in range(0, len(ids) - BATCH_K + 1, BATCH_K)]
     chunk = iter(range(10**9))
+    apart = _per_call(lambda: [one.run([row]) for row in same], 3, rounds, time.process_time)
+    joint = _per_call(lambda: one.run(same), 3, rounds, time.process_time)
+    per_token = joint / (BATCH_K * len(same[0]))
+    overhead = (apart - joint) / (BATCH_K - 1)
     return {
         "model_ms": _per_call(one_text(one), n, rounds, time.process_time),
         "model_ms_all_threads": _per_call(one_text(default), n, rounds, time.perf_counter),
-        "call_overhead_ms": (
-            _per_call(lambda: [one.run([row]) for row in same], 3, rounds, time.process_time)
-            - _per_call(lambda: one.run(same), 3, rounds, time.process_time)
-        )
-        / (BATCH_K - 1),
+        "call_overhead_ms": overhead,
         "per_text_in_batch_ms": _per_call(
             lambda: one.run(chunks[next(chunk) % len(chunks)]), 3, rounds, time.process_time
         )
         / BATCH_K,
+        # One sentence, alone and as one of k copies (one length: no padding), and one more
+        # call's price in padded tokens: what the length buckets weigh (CALL_OVERHEAD_TOKENS).
+        "same_row_tokens": len(same[0]),
+        "same_row_alone_ms": apart / BATCH_K,
+        "same_row_in_batch_ms": joint / BATCH_K,
+        "call_overhead_tokens": overhead / per_token,
         "tokenize_ms": _per_call(
             lambda: one.tokenize([texts[next(cycle) % len(texts)]]), n * 4, rounds, time.process_time
         ),
@@ -277,6 +284,16 @@ def markdown(result: dict[str, Any]) -> str:
         + f" One more call costs {c['call_overhead_ms']:.2f} ms when the rows have one length, no padding:"
         " the most a batch can save a text."
     ]
+    if "same_row_in_batch_ms" in c:  # (results recorded before these figures were measured lack them)
+        solo, joint = c["same_row_alone_ms"], c["same_row_in_batch_ms"]
+        saving += [
+            "",
+            f"Without padding, batching does pay: one sentence of {c['same_row_tokens']} tokens costs"
+            f" {solo:.2f} ms alone and {joint:.2f} ms as one of {BATCH_K} copies in one call"
+            f" ({100 * (solo - joint) / solo:.0f} % less). In padded tokens, one more call costs as much as"
+            f" {c['call_overhead_tokens']:.0f} (one thread per call, as the batcher's slots run); the length"
+            f" buckets price it at CALL_OVERHEAD_TOKENS ({Settings().call_overhead_tokens} by default).",
+        ]
     h = http32["server_cpu_ms"]
     loop = [
         f"Stage 3's event loop, one thread, spends {h:.2f} ms of CPU a request: it can carry at most"

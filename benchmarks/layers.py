@@ -1,6 +1,6 @@
-"""Are the layers free? Stages 2, 3 and 5 side by side on all-unique texts, taking turns.
+"""Are the layers free? Stages 2 to 5 side by side on all-unique texts, taking turns.
 
-    python -m benchmarks.layers            # about 6 minutes; run it on a quiet machine
+    python -m benchmarks.layers            # about 8 minutes; run it on a quiet machine
     python -m benchmarks.layers --quick    # seconds per point, about a minute
     python -m benchmarks.layers --record   # written to docs/results/layers.*
     make bench-layers                      # the same (QUICK=1, RECORD=1)
@@ -10,12 +10,13 @@ every text must reach the model. On that traffic a later stage should cost close
 over stage 2's thread pool, and batching should still gain a little (one thread hop per batch
 instead of one per request). This experiment measures exactly that:
 
-* the three servers run at once with their default settings, and take turns under the same
+* the four servers run at once with their default settings, and take turns under the same
   closed-loop load (A B C, A B C, ... and the medians), so a drift of the machine hits all alike;
 * at 1, 32 and 128 connections of ``wrk`` (the kit's C load generator: the Python one would take
   a third of a core from the server), one new 12-20 word sentence per request;
-* per point: requests/s, p50 and p99, the server's CPU in cores (of the machine's two) and, for the
-  stages with a batcher, the share of the interval each model slot spent computing;
+* per point: requests/s, p50 and p99, the server's CPU in cores (of the machine's two), where a
+  request's CPU went (the event loop's thread, every other thread) and, for the stages with a
+  batcher, the share of the interval each model slot spent computing;
 * the engine alone on the same kind of texts (tokenize, model, normalize; no HTTP) is the
   yardstick: how close each stage gets to what the model can do on this machine.
 
@@ -42,8 +43,19 @@ from loadtests.harness import process_cpu, settle
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, table
 
-STAGES = ("stage2_threadpool", "stage3_batching", "stage5_metrics")
-SHORT = {"stage2_threadpool": "stage 2", "stage3_batching": "stage 3", "stage5_metrics": "stage 5"}
+STAGES = ("stage2_threadpool", "stage3_batching", "stage4_cache_backpressure", "stage5_metrics")
+SHORT = {
+    "stage2_threadpool": "stage 2",
+    "stage3_batching": "stage 3",
+    "stage4_cache_backpressure": "stage 4",
+    "stage5_metrics": "stage 5",
+}
+
+
+def _loop_cpu(process: psutil.Process) -> float:
+    """CPU seconds of the process's main thread: uvicorn's event loop (the rest is the model
+    threads, the tokenizer's and the log writer's)."""
+    return next((t.user_time + t.system_time for t in process.threads() if t.id == process.pid), 0.0)
 
 
 def _slots_busy(url: str) -> dict[str, float]:
@@ -59,9 +71,14 @@ def _point(server: Any, clients: int, seed: int, args: argparse.Namespace) -> di
     bodies = bodies_for("sentence", 60_000 if clients > 1 else 10_000, seed=seed)  # never seen before
     wrk.run(server.url, bodies[::-1], clients, args.warmup)  # warm-up on other texts
     process = psutil.Process(server.pid)
-    cpu, busy = process_cpu(process), _slots_busy(server.url)
+    cpu, loop, busy = process_cpu(process), _loop_cpu(process), _slots_busy(server.url)
     point = wrk.run(server.url, bodies, clients, args.duration)
-    point["server_cores"] = round((process_cpu(process) - cpu) / args.duration, 2)
+    cpu, loop = process_cpu(process) - cpu, _loop_cpu(process) - loop
+    point["server_cores"] = round(cpu / args.duration, 2)
+    answered = point["requests_per_s"] * args.duration
+    if answered:  # where a request's CPU goes: the event loop, or every other thread
+        point["loop_cpu_ms"] = round(loop / answered * 1e3, 3)
+        point["other_cpu_ms"] = round((cpu - loop) / answered * 1e3, 3)
     after = _slots_busy(server.url)
     if after:  # the share of the interval each model slot spent computing
         point["slot_utilisation"] = {
@@ -109,7 +126,14 @@ def summarize(
             mine = [p for p in points if p["connections"] == n and p["stage"] == stage]
             row[stage] = {
                 key: statistics.median(p[key] for p in mine)
-                for key in ("requests_per_s", "p50_ms", "p99_ms", "server_cores")
+                for key in (
+                    "requests_per_s",
+                    "p50_ms",
+                    "p99_ms",
+                    "server_cores",
+                    "loop_cpu_ms",
+                    "other_cpu_ms",
+                )
                 if mine and all(p.get(key) is not None for p in mine)
             }
             row[stage]["errors"] = sum(p["socket_errors"] + round(p["non_2xx_per_s"]) for p in mine)
@@ -157,14 +181,24 @@ def markdown(result: dict[str, Any]) -> str:
             m = row[s]
             detail_rows.append((
                 n, SHORT.get(s, s), num(m.get("p50_ms"), 1), num(m.get("p99_ms"), 1),
-                num(m.get("server_cores"), 2),
+                num(m.get("server_cores"), 2), num(m.get("loop_cpu_ms"), 2), num(m.get("other_cpu_ms"), 2),
                 " / ".join(f"{100 * u:.0f} %" for u in m.get("slot_utilisation", {}).values()) or "-",
                 m["errors"],
             ))  # fmt: skip
     detail = table(
-        ["connections", "stage", "p50 ms", "p99 ms", "server cores", "model slots busy", "errors"],
+        [
+            "connections",
+            "stage",
+            "p50 ms",
+            "p99 ms",
+            "server cores",
+            "loop CPU ms/req",
+            "other CPU ms/req",
+            "model slots busy",
+            "errors",
+        ],
         detail_rows,
-        align="rlrrrrr",
+        align="rlrrrrrrr",
     )
     return page(result["stamp"], {"ratios": ratios, "detail": detail}, note) + "\n"
 

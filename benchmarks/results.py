@@ -110,6 +110,14 @@ STEPS: tuple[Step, ...] = (
         6,
     ),
     Step(
+        "before-after",
+        "the stages before the layout (issue 13) and now, in turns",
+        "benchmarks.before_after",
+        ("before_after.json",),
+        30,
+        4,
+    ),
+    Step(
         "cost-model",
         "the cost model's constants, its prediction beside layers and compare",
         "benchmarks.cost_model",
@@ -238,6 +246,7 @@ PAGES: tuple[Page, ...] = (
     Page("stage5_middleware.json", "stage5_middleware.md", "benchmarks.stage5_middleware:markdown"),
     Page("windows.json", "windows.md", "benchmarks.windows:markdown"),
     Page("cost_model.json", "cost_model.md", "benchmarks.cost_model:markdown"),
+    Page("before_after.json", "before_after.md", "benchmarks.before_after:markdown"),
     Page("outputs.json", "outputs.md", "benchmarks.docs_outputs:markdown"),  # and outputs/<name>.txt
     Page("beyond.json", "beyond.md", "benchmarks.beyond:markdown"),
     Page("pipeline.json", "pipeline.md", "benchmarks.results:markdown"),  # the pipeline's own timings

@@ -62,6 +62,11 @@ def server_command(stage: str) -> list[str]:
     return [sys.executable, "-m", "common.serve", stage]
 
 
+def _tree_path(tree: Path) -> dict[str, str]:
+    """Another checkout's code first on the path (this one's is installed in the venv)."""
+    return {} if tree == REPO else {"PYTHONPATH": str(tree)}
+
+
 def server_env(
     host: str, port: int, extra: Mapping[str, str] | None = None, without: Sequence[str] = ()
 ) -> dict[str, str]:
@@ -81,6 +86,7 @@ class StageProcess:
     port: int = field(default_factory=free_port)
     host: str = "127.0.0.1"
     without: tuple[str, ...] = ()
+    tree: Path = REPO  # the checkout the stage runs from (another commit's worktree: benchmarks/before_after)
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -98,8 +104,8 @@ class StageProcess:
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 server_command(self.stage),
-                cwd=REPO,
-                env=server_env(self.host, self.port, self.env, self.without),
+                cwd=self.tree,
+                env=server_env(self.host, self.port, {**self.env, **_tree_path(self.tree)}, self.without),
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -142,13 +148,16 @@ def running_stage(
     port: int | None = None,
     host: str = "127.0.0.1",
     ready_timeout: float = 180.0,
+    tree: Path = REPO,
 ) -> Iterator[StageProcess]:
     """``stage`` started and ready, stopped (SIGTERM, then SIGKILL) on exit; its log in ``log_dir``.
 
-    ``env`` adds to this process's environment; ``without`` names variables to leave out.
+    ``env`` adds to this process's environment; ``without`` names variables to leave out; ``tree``
+    is the checkout whose code it runs (this one by default).
     """
     port = port or free_port()
-    server = StageProcess(stage, dict(env or {}), log_dir / f"{stage}-{port}.log", port, host, tuple(without))
+    log = log_dir / f"{stage}-{port}.log"
+    server = StageProcess(stage, dict(env or {}), log, port, host, tuple(without), tree)
     server.start(ready_timeout)
     try:
         yield server
