@@ -134,7 +134,7 @@ bench-stage5 stage5-overhead: setup
 dashboard-screenshot: setup browser
 	$(PY) -m benchmarks.stage5_screenshot $(EVIDENCE) $(ARGS)
 
-## before-after: the stages of BEFORE (default: before the layout) and of this checkout, in turns (~30 min)
+## before-after: the stages of BEFORE (default: before the layout) and of this checkout, in turns (~45 min)
 before-after: setup
 	$(PY) -m benchmarks.before_after $(EVIDENCE) $(if $(BEFORE),--before $(BEFORE)) $(ARGS)
 

@@ -209,6 +209,7 @@ def measured(folder: Path) -> dict[str, Any]:
         layers = json.loads(path.read_text())
         out["layers"] = {
             "from": evidence.provenance(layers.get("stamp") or {}),
+            "engine_texts_per_s": (layers.get("ceiling") or {}).get("texts_per_s"),
             "rps": {
                 stage: {n: layers["summary"][n][stage]["requests_per_s"] for n in ("1", "32")}
                 for stage in layers["stages"]
@@ -222,7 +223,13 @@ def measured(folder: Path) -> dict[str, Any]:
         for point in compare["points"]:
             if point["profile"] in ("unique-1", "unique-32"):
                 rps.setdefault(point["stage"], {})[str(point["users"])] = point["rps"]
-        out["compare"] = {"from": evidence.provenance(compare.get("stamp") or {}), "rps": rps}
+        out["compare"] = {
+            "from": evidence.provenance(compare.get("stamp") or {}),
+            "engine_texts_per_s": ((compare.get("engine_ceiling") or {}).get("sentence") or {}).get(
+                "texts_per_s"
+            ),
+            "rps": rps,
+        }
     return out
 
 
@@ -261,6 +268,7 @@ def markdown(result: dict[str, Any]) -> str:
     sources = [
         f"`{name}.json`: commit `{str(m['from'].get('commit'))[:7]}`, {str(m['from'].get('date'))[:10]}"
         + (" (QUICK)" if m["from"].get("quick") else "")
+        + (f", the engine alone {m['engine_texts_per_s']:.0f} texts/s" if m.get("engine_texts_per_s") else "")
         for name, m in meas.items()
     ]
     prediction += [
@@ -268,7 +276,8 @@ def markdown(result: dict[str, Any]) -> str:
         "Predicted from the constants above; measured (req/s, one new sentence per request) by "
         + ("; ".join(sources) if sources else "nothing yet: run `make bench-layers` and `make compare` first")
         + ". `layers` loads the stages with `wrk`, as the constants were measured; `compare` uses"
-        " Locust, which spends more CPU per request on the same cores.",
+        " Locust, which spends more CPU per request on the same cores. Two runs on machines of"
+        " different speed show it in the engine's figure: compare a column with its own run's.",
     ]
     alone, batched = c["model_ms"], c["per_text_in_batch_ms"]
     share = 100 * (alone - batched) / alone

@@ -98,7 +98,7 @@ STEPS: tuple[Step, ...] = (
         1.5,
         0.6,
     ),
-    Step("layers", "stages 2, 3 and 5 in turns on unique texts", "benchmarks.layers", ("layers.json",), 6, 1),
+    Step("layers", "stages 2 to 5 in turns on unique texts", "benchmarks.layers", ("layers.json",), 8, 1),
     Step("windows", "stage 3: load-tier windows by load", "benchmarks.windows", ("windows.json",), 8, 1),
     Step("flood", "stage 5 under a flood, by SHED_DELAY_MS", "benchmarks.flood", ("flood.json",), 6, 1),
     Step(
@@ -114,7 +114,7 @@ STEPS: tuple[Step, ...] = (
         "the stages before the layout (issue 13) and now, in turns",
         "benchmarks.before_after",
         ("before_after.json",),
-        30,
+        45,
         4,
     ),
     Step(
