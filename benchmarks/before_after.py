@@ -33,7 +33,7 @@ from benchmarks import compare
 from common.serve import STAGES
 from loadtests import evidence
 from loadtests.harness import COMPARE_ENV, COMPARE_WITHOUT
-from loadtests.tables import num, page, table
+from loadtests.tables import num, page, stage_label, table
 
 # The last commit before the stage folders were re-laid out (issue 13): what "before" means here.
 BEFORE = "8f0f03d"
@@ -92,13 +92,10 @@ def summarize(
             side = {s: [p for p in mine if p["side"] == s] for s in ("before", "after")}
             rps = {s: statistics.median(p["rps"] for p in side[s]) for s in side}
             p99 = {s: statistics.median(p["p99_ms"] for p in side[s]) for s in side}
-            by_round = sorted({p["round"] for p in mine})
+            by_round = {(p["side"], p["round"]): p["rps"] for p in mine}
             rounds = [
-                _ratio(
-                    next(p["rps"] for p in side["after"] if p["round"] == r),
-                    next(p["rps"] for p in side["before"] if p["round"] == r),
-                )
-                for r in by_round
+                _ratio(by_round["after", r], by_round["before", r])
+                for r in sorted({p["round"] for p in mine})
             ]
             ratio = _ratio(rps["after"], rps["before"])
             rows.append({
@@ -118,7 +115,7 @@ def _ratio(a: float, b: float) -> float | None:
 def markdown(result: dict[str, Any]) -> str:
     rows = [
         (
-            f"stage {r['stage'][5]}", r["profile"], num(r["before_rps"], 0), num(r["after_rps"], 0),
+            stage_label(r["stage"]), r["profile"], num(r["before_rps"], 0), num(r["after_rps"], 0),
             f"{r['ratio']:.2f}×" if r["ratio"] is not None else "–",
             ", ".join(f"{x:.2f}" for x in r["round_ratios"] if x is not None),
             num(r["before_p99_ms"], 0), num(r["after_p99_ms"], 0), "**yes**" if r["loses"] else "",
@@ -137,7 +134,7 @@ def markdown(result: dict[str, Any]) -> str:
     verdict = [
         f"{len(losses)} of {len(result['summary'])} points lose more than 5 % in every round"
         f" (after / before under {LOSS})"
-        + (": " + "; ".join(f"stage {r['stage'][5]} {r['profile']}" for r in losses) if losses else ".")
+        + (": " + "; ".join(f"{stage_label(r['stage'])} {r['profile']}" for r in losses) if losses else ".")
     ]
     return (
         page(
@@ -151,7 +148,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def headline(result: dict[str, Any]) -> dict[str, float]:
     return {
-        f"stage {r['stage'][5]} {r['profile']}: after / before": r["ratio"]
+        f"{stage_label(r['stage'])} {r['profile']}: after / before": r["ratio"]
         for r in result["summary"]
         if r["ratio"] is not None and r["profile"] == "unique-32"
     }

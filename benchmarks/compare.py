@@ -158,8 +158,9 @@ def run_stage(
     raw = args.raw / (f"{label}-{stage}" if label else stage)
     results = []
     t0 = time.monotonic()
-    env, host = COMPARE_ENV, args.host
-    with running_stage(stage, raw, env, without=COMPARE_WITHOUT, port=port, host=host, tree=tree) as server:
+    with running_stage(
+        stage, raw, COMPARE_ENV, without=COMPARE_WITHOUT, port=port, host=args.host, tree=tree
+    ) as server:
         print(f"{stage}: ready in {time.monotonic() - t0:.1f} s on {url}", flush=True)
         answered = harness.warm_up(url, args.warmup)
         print(f"{stage}: warm-up answered {answered} requests in {args.warmup:g} s", flush=True)

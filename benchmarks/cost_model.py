@@ -50,11 +50,10 @@ from common.settings import Settings
 from loadtests import evidence, wrk
 from loadtests.harness import process_cpu, settle
 from loadtests.procs import running_stage
-from loadtests.tables import num, page, table
+from loadtests.tables import num, page, stage_label, table
 from stage0_script import corpus
 
 NULL_STAGE = "benchmarks.null_backend"
-SHORT = {s: f"stage {s[5]}" for s in STAGES}
 CONNECTIONS = (1, 32)
 BATCH_K = 16  # rows in the one-call-of-k measurements
 
@@ -256,7 +255,7 @@ def markdown(result: dict[str, Any]) -> str:
     for stage in STAGES:
         p, lay, com = result["prediction"][stage], layers.get(stage, {}), compare.get(stage, {})
         pred_rows.append((
-            SHORT[stage],
+            stage_label(stage),
             num(p["1"], 0), num(lay.get("1"), 0), num(com.get("1"), 0),
             num(p["32"], 0), num(lay.get("32"), 0), num(com.get("32"), 0),
         ))  # fmt: skip

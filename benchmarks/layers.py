@@ -41,15 +41,9 @@ from benchmarks.stage3 import bodies_for
 from loadtests import evidence, wrk
 from loadtests.harness import process_cpu, settle
 from loadtests.procs import running_stage
-from loadtests.tables import num, page, table
+from loadtests.tables import num, page, stage_label, table
 
 STAGES = ("stage2_threadpool", "stage3_batching", "stage4_cache_backpressure", "stage5_metrics")
-SHORT = {
-    "stage2_threadpool": "stage 2",
-    "stage3_batching": "stage 3",
-    "stage4_cache_backpressure": "stage 4",
-    "stage5_metrics": "stage 5",
-}
 
 
 def _loop_cpu(process: psutil.Process) -> float:
@@ -164,9 +158,9 @@ def markdown(result: dict[str, Any]) -> str:
     )
     headers = ["connections"]
     for stage in stages:
-        headers += [f"{SHORT.get(stage, stage)} req/s"]
-    headers += [f"{SHORT.get(s, s)} / {SHORT.get(stages[0], stages[0])}" for s in stages[1:]]
-    headers += [f"{SHORT.get(stages[-1], stages[-1])} of engine"]
+        headers += [f"{stage_label(stage)} req/s"]
+    headers += [f"{stage_label(s)} / {stage_label(stages[0])}" for s in stages[1:]]
+    headers += [f"{stage_label(stages[-1])} of engine"]
     rows = []
     for n, row in result["summary"].items():
         cells: list[str] = [n]
@@ -180,7 +174,7 @@ def markdown(result: dict[str, Any]) -> str:
         for s in stages:
             m = row[s]
             detail_rows.append((
-                n, SHORT.get(s, s), num(m.get("p50_ms"), 1), num(m.get("p99_ms"), 1),
+                n, stage_label(s), num(m.get("p50_ms"), 1), num(m.get("p99_ms"), 1),
                 num(m.get("server_cores"), 2), num(m.get("loop_cpu_ms"), 2), num(m.get("other_cpu_ms"), 2),
                 " / ".join(f"{100 * u:.0f} %" for u in m.get("slot_utilisation", {}).values()) or "-",
                 m["errors"],
@@ -207,7 +201,7 @@ def headline(result: dict[str, Any]) -> dict[str, float]:
     out = {}
     for n, row in result["summary"].items():
         for stage in result["stages"]:
-            out[f"{n} connections: {SHORT.get(stage, stage)} req/s"] = row[stage]["requests_per_s"]
+            out[f"{n} connections: {stage_label(stage)} req/s"] = row[stage]["requests_per_s"]
     return out
 
 

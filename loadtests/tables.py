@@ -36,6 +36,12 @@ def section(name: str, lines: Sequence[str]) -> list[str]:
     return [f"<!-- --8<-- [start:{name}] -->", *lines, f"<!-- --8<-- [end:{name}] -->", ""]
 
 
+def stage_label(stage: str) -> str:
+    """``stage3_batching`` -> ``stage 3``, for a table's column or row; any other name as it is."""
+    number = stage.removeprefix("stage").split("_")[0]
+    return f"stage {number}" if stage.startswith("stage") and number.isdigit() else stage
+
+
 def page(stamp: Mapping[str, Any], sections: Mapping[str, Sequence[str]], machine_note: str = "") -> str:
     """A whole results page: the provenance line, a ``machine`` section from the stamp, then ``sections``."""
     lines = [provenance_comment(dict(stamp)), ""]

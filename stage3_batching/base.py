@@ -1,5 +1,6 @@
 """What every batcher has around the idea: its state, the hooks the refinements override, start
-and close, and the figures it reports. ``batcher.py`` is the idea itself; read it first.
+and close, freeing a model slot after its batch, and the figures it reports. ``batcher.py`` is
+the idea itself; read it first.
 
 The hooks, each a one-line default here, are where the chapter's refinements plug in: ``tier``
 and ``window_s`` (how long a batch waits: ``tiers.py``), ``batch_limit`` and ``batches_at_once``
@@ -86,6 +87,20 @@ class BatcherBase:
         self._task = asyncio.create_task(self._loop(dispatch), name="batcher")
 
     async def _loop(self, slots: asyncio.Semaphore) -> None:
+        raise NotImplementedError  # batcher.py
+
+    async def _run_in_slot(self, batch: list[QueuedText], tier: str, slots: asyncio.Semaphore) -> None:
+        """A batch the loop handed to a model slot: run it, and free the slot whatever happens."""
+        try:
+            await self._run_batch(batch, tier)
+        except Exception as exc:  # answer this batch's callers; the loop keeps serving
+            fail_batch(batch, exc)
+        finally:
+            self._in_flight -= 1
+            self._in_flight_texts -= len(batch)
+            slots.release()
+
+    async def _run_batch(self, batch: list[QueuedText], tier: str) -> None:
         raise NotImplementedError  # batcher.py
 
     async def close(self) -> None:

@@ -7,7 +7,7 @@ and runs them in an executor thread, BATCH_CONCURRENCY batches side by side. Eac
 its own rows; if the model raises, every caller of that batch gets the error; a caller that is
 gone (cancelled, past its deadline) is dropped before the model. That is the whole idea (Ray
 Serve's ``batching.py`` has the same shape) and a working batcher on its own. What surrounds it
-(state, start and close, the hooks, the figures) is in ``base.py``.
+(state, start and close, freeing a slot after its batch, the hooks, the figures) is in ``base.py``.
 
 The refinements the chapter adds one at a time are subclasses that override a method: ``tier``/
 ``window_s`` (tiers.py), ``_take`` (grouping.py), ``_compute``/``_run_rows`` (buckets.py,
@@ -129,16 +129,6 @@ class Batcher(BatcherBase):
             self.stats.skipped_texts += 1
             return False
         return True
-
-    async def _run_in_slot(self, batch: list[QueuedText], tier: str, slots: asyncio.Semaphore) -> None:
-        try:
-            await self._run_batch(batch, tier)
-        except Exception as exc:  # answer this batch's callers; the loop keeps serving
-            fail_batch(batch, exc)
-        finally:
-            self._in_flight -= 1
-            self._in_flight_texts -= len(batch)
-            slots.release()
 
     async def _run_batch(self, batch: list[QueuedText], tier: str) -> None:
         started = time.perf_counter()

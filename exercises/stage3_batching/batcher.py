@@ -99,18 +99,6 @@ class Batcher(BatcherBase):
             running.add(task)
             task.add_done_callback(running.discard)
 
-    async def _run_in_slot(self, batch: list[QueuedText], tier: str, slots: asyncio.Semaphore) -> None:
-        try:
-            await self._run_batch(batch, tier)
-        except Exception as exc:  # an error outside the model call: answer this batch's callers
-            log.exception("batcher loop error")
-            for text in batch:
-                text.req.fail(exc)
-        finally:
-            self._in_flight -= 1
-            self._in_flight_texts -= len(batch)
-            slots.release()
-
     # --- to write: waiting, taking, running --------------------------------------------------
     async def _wait_for_batch(self) -> str | None:
         """Wait for a first text, then up to the window for a full batch; return the batch's tier.
