@@ -69,7 +69,7 @@ PROFILE ?= unique-32
 DURATION ?= 30
 EVIDENCE = $(if $(QUICK),--quick) $(if $(RECORD),--record) $(if $(ALLOW_DIRTY),--allow-dirty)
 .PHONY: results loadtest loadtest-headless loadtest-screenshots compare bench bench-stage0 bench-stage2 \
-	bench-stage3 bench-stage3-refinements bench-stage4 bench-stage5 stage5-overhead bench-layers bench-flood bench-windows wrk before-after \
+	bench-stage3 bench-stage3-refinements bench-stage4 bench-stage5 stage5-overhead bench-layers bench-flood bench-windows bench-request-path wrk before-after \
 	dashboard-screenshot quant-study settings-doc evidence-check docs-outputs bench-cost-model
 
 ## results: every results file, table and plot the docs include, in order (QUICK=1: briefly, into out/)
@@ -141,6 +141,10 @@ before-after: setup
 ## bench-layers: stages 2 to 5 in turns on all-unique texts, the engine as yardstick (~8 min; QUICK=1 ~1 min)
 bench-layers: setup wrk
 	$(PY) -m benchmarks.layers $(EVIDENCE) $(ARGS)
+
+## bench-request-path: a lone request's Python calls on each stage's event loop, by where they are (~3 min; QUICK=1 ~1 min)
+bench-request-path: setup wrk
+	$(PY) -m benchmarks.request_path $(EVIDENCE) $(ARGS)
 
 ## bench-windows: stage 3's load-tier windows swept at 8, 32 and 128 connections (~8 min; QUICK=1 ~1 min)
 bench-windows: setup wrk

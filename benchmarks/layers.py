@@ -60,7 +60,7 @@ def _slots_busy(url: str) -> dict[str, float]:
         return {}
 
 
-def _point(server: Any, clients: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+def measure_point(server: Any, clients: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     """One measured interval after a warm-up: throughput, latency, the server's cores, slot use."""
     bodies = bodies_for("sentence", 60_000 if clients > 1 else 10_000, seed=seed)  # never seen before
     wrk.run(server.url, bodies[::-1], clients, args.warmup)  # warm-up on other texts
@@ -91,7 +91,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for stage in args.stages:  # A B C, A B C: every stage once per round
                     server = servers[stage]
                     settle(server.pid, server.url)
-                    point = _point(server, clients, seed=9000 + 100 * round_ + clients, args=args)
+                    point = measure_point(server, clients, seed=9000 + 100 * round_ + clients, args=args)
                     point.update(stage=stage, round=round_)
                     print(json.dumps(point), flush=True)
                     points.append(point)

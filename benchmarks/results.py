@@ -99,6 +99,14 @@ STEPS: tuple[Step, ...] = (
         0.6,
     ),
     Step("layers", "stages 2 to 5 in turns on unique texts", "benchmarks.layers", ("layers.json",), 8, 1),
+    Step(
+        "request-path",
+        "a lone request's Python calls per stage, by where they are",
+        "benchmarks.request_path",
+        ("request_path.json",),
+        3,
+        1,
+    ),
     Step("windows", "stage 3: load-tier windows by load", "benchmarks.windows", ("windows.json",), 8, 1),
     Step("flood", "stage 5 under a flood, by SHED_DELAY_MS", "benchmarks.flood", ("flood.json",), 6, 1),
     Step(
@@ -242,6 +250,7 @@ PAGES: tuple[Page, ...] = (
         images=("dashboard.png",),
     ),
     Page("layers.json", "layers.md", "benchmarks.layers:markdown"),
+    Page("request_path.json", "request_path.md", "benchmarks.request_path:markdown"),
     Page("flood.json", "flood.md", "benchmarks.flood:markdown"),
     Page("stage5_middleware.json", "stage5_middleware.md", "benchmarks.stage5_middleware:markdown"),
     Page("windows.json", "windows.md", "benchmarks.windows:markdown"),

@@ -103,8 +103,11 @@ class _Queued(QueueHandler):
 def configure_logging(settings: Settings) -> None:
     """Send ``embedserve.*`` and ``uvicorn*`` lines to stderr in the configured format (idempotent)."""
     # The logging HOWTO's "Optimization": no line shows the thread or the process, so no record
-    # looks them up (about 5 us less per request line, measured by benchmarks/stage5_asgi.py).
+    # looks them up (about 5 us less per request line, measured by benchmarks/stage5_asgi.py);
+    # nor the file and line that logged it, so no record walks the stack to find them (a tenth of
+    # the Python calls stage 5 adds to a request: bench-request-path).
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+    logging._srcfile = None  # the HOWTO's documented switch
     ours = logging.getLogger("embedserve")
     queued = next((h for h in ours.handlers if isinstance(h, _Queued)), None)
     if queued is None:

@@ -1,0 +1,304 @@
+"""What a lone request costs each stage's event loop, in Python function calls, and where they are.
+
+    python -m benchmarks.request_path            # about 3 minutes
+    python -m benchmarks.request_path --quick    # about a minute
+    python -m benchmarks.request_path --record   # written to docs/results/request_path.*
+    make bench-request-path                      # the same (QUICK=1, RECORD=1)
+
+At one connection a request has the server to itself, so its latency is the CPU it costs:
+the event loop's share (parse, route, validate, the layers, encode) and the model thread's.
+``make bench-layers`` measures both; this experiment shows what the loop's share is made of:
+
+* each stage runs as ``make stageN`` runs it, under ``cProfile`` on the event loop's thread, and
+  counts only while ``wrk`` sends one new sentence at a time (SIGUSR1 starts the count, SIGUSR2
+  stops it and writes it out): the Python function calls per request, by where the function is
+  defined (a C function counts where its caller is). Unlike a time, a count is the same in
+  every run on every machine;
+* then the same stages, unprofiled, take turns at one connection (medians of 3 rounds): the
+  loop's CPU per request, so each stage's extra calls can be priced in microseconds.
+
+Writes request_path.json and request_path.md (the stage 5 chapter includes the tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import itertools
+import os
+import pstats
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from benchmarks.layers import STAGES, measure_point
+from benchmarks.stage3 import bodies_for
+from loadtests import evidence, wrk
+from loadtests.harness import settle
+from loadtests.procs import running_stage
+from loadtests.tables import num, page, stage_label, table
+
+# Where a function is defined, by the first part of its file's path (the venv's packages, the
+# standard library, this repository), and the group it counts in.
+GROUPS = {
+    "uvicorn": "HTTP server and framework",
+    "starlette": "HTTP server and framework",
+    "fastapi": "HTTP server and framework",
+    "pydantic": "HTTP server and framework",
+    "anyio": "HTTP server and framework",
+    "asyncio": "asyncio",
+    "concurrent": "asyncio",
+    "common": "common/ (the contract)",
+    "stage2_threadpool": "the stage's own code",
+    "stage3_batching": "stage 3 (the batcher)",
+    "stage4_cache_backpressure": "stage 4 (cache, single-flight, admission)",
+    "stage5_metrics": "stage 5 (telemetry)",
+    "prometheus_client": "stage 5 (telemetry)",
+    "logging": "stage 5 (telemetry)",
+    "pythonjsonlogger": "stage 5 (telemetry)",
+}
+OTHER = "the rest of the standard library"
+ORDER = (
+    "HTTP server and framework",
+    "asyncio",
+    "common/ (the contract)",
+    "the stage's own code",
+    "stage 3 (the batcher)",
+    "stage 4 (cache, single-flight, admission)",
+    "stage 5 (telemetry)",
+    OTHER,
+)
+# Called once per answered embedding request, and not a coroutine (a coroutine's every resume
+# counts as a call): the request count.
+ONCE_PER_REQUEST = ("common/api.py", "_result_headers")
+
+
+# --- the profiled server (a child process) -----------------------------------------------
+def serve_profiled(stage: str, out: Path) -> None:
+    """``make stageN``'s server, counting the loop thread's calls between SIGUSR1 and SIGUSR2."""
+    from common import serve
+
+    profile = cProfile.Profile()
+
+    def begin(*_: Any) -> None:
+        profile.enable()
+
+    def end(*_: Any) -> None:
+        profile.disable()
+        profile.dump_stats(out)
+
+    signal.signal(signal.SIGUSR1, begin)  # the handlers run on the main thread: the event loop's
+    signal.signal(signal.SIGUSR2, end)
+    serve.main([stage])
+
+
+# --- reading a profile -------------------------------------------------------------------
+def where(filename: str) -> str:
+    """The package or repository folder a function's file is in (``~`` for a C function)."""
+    if filename.startswith("~"):
+        return "~"
+    path = Path(filename)
+    if "site-packages" in path.parts:
+        return path.parts[path.parts.index("site-packages") + 1].removesuffix(".py")
+    repo = evidence.REPO
+    if path.is_relative_to(repo):
+        return path.relative_to(repo).parts[0]
+    stdlib = Path(os.__file__).parent
+    return path.relative_to(stdlib).parts[0].removesuffix(".py") if path.is_relative_to(stdlib) else path.name
+
+
+def group_of(filename: str) -> str:
+    return GROUPS.get(where(filename), OTHER)
+
+
+def calls_by_group(stats: pstats.Stats) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Requests counted, calls per request by group, and by function (``file:function``)."""
+    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]  # pstats keeps them there
+    requests = sum(
+        v[1] for k, v in raw.items() if k[0].endswith(ONCE_PER_REQUEST[0]) and k[2] == ONCE_PER_REQUEST[1]
+    )
+    if not requests:
+        raise RuntimeError("the profile counted no embedding request")
+    groups: collections.Counter[str] = collections.Counter()
+    functions: collections.Counter[str] = collections.Counter()
+    for (filename, _line, name), (_prim, calls, _tt, _ct, callers) in raw.items():
+        if filename.startswith("~"):  # a C function: it counts where its callers are
+            for caller, counts in callers.items():
+                groups[group_of(caller[0])] += counts[1]
+                functions[f"{_short(caller[0])}: {name.strip('<>')}"] += counts[1]
+        else:
+            groups[group_of(filename)] += calls
+            functions[f"{_short(filename)}:{name}"] += calls
+    per = {g: c / requests for g, c in groups.items()}
+    return requests, per, {f: c / requests for f, c in functions.items()}
+
+
+def _short(filename: str) -> str:
+    path = Path(filename)
+    if "site-packages" in path.parts:
+        return "/".join(path.parts[path.parts.index("site-packages") + 1 :])
+    if path.is_relative_to(evidence.REPO):
+        return str(path.relative_to(evidence.REPO))
+    return path.name
+
+
+# --- measuring ---------------------------------------------------------------------------
+def profile_stage(stage: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    out = logs / f"{stage}.prof"
+    out.unlink(missing_ok=True)
+    command = (sys.executable, "-m", "benchmarks.request_path", "--serve", stage, "--profile-to", str(out))
+    bodies = bodies_for("sentence", 10_000, seed=700)
+    with running_stage(stage, logs, command=command) as server:
+        settle(server.pid, server.url)
+        wrk.run(server.url, bodies[::-1], 1, args.warmup)
+        server.signal(signal.SIGUSR1)
+        point = wrk.run(server.url, bodies, 1, args.duration)
+        server.signal(signal.SIGUSR2)  # handled within uvicorn's 0.1 s tick
+        deadline = time.monotonic() + 30
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # the dump is written
+    requests, groups, functions = calls_by_group(pstats.Stats(str(out)))
+    return {
+        "stage": stage,
+        "requests": requests,
+        "requests_per_s_profiled": point["requests_per_s"],
+        "calls_per_request": round(sum(groups.values()), 1),
+        "by_group": {g: round(groups.get(g, 0.0), 1) for g in ORDER},
+        "top_functions": {f: round(c, 2) for f, c in sorted(functions.items(), key=lambda x: -x[1])[:200]},
+    }
+
+
+def loop_cpu(args: argparse.Namespace, logs: Path) -> dict[str, dict[str, float]]:
+    """Each stage unprofiled at one connection, in turns: medians of the loop's CPU per request."""
+    points: dict[str, list[dict[str, Any]]] = {s: [] for s in args.stages}
+    with ExitStack() as stack:
+        servers = {s: stack.enter_context(running_stage(s, logs)) for s in args.stages}
+        for round_ in range(args.rounds):
+            for stage in args.stages:
+                server = servers[stage]
+                settle(server.pid, server.url)
+                point = measure_point(server, 1, seed=7100 + 100 * round_, args=args)
+                print(stage, round_, point, flush=True)
+                points[stage].append(point)
+    keys = ("p50_ms", "loop_cpu_ms", "other_cpu_ms")
+    return {s: {k: statistics.median(p[k] for p in ps) for k in keys} for s, ps in points.items()}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    logs = evidence.OUT / "logs" / "request_path"
+    logs.mkdir(parents=True, exist_ok=True)
+    stages = []
+    for stage in args.stages:
+        print(f"{stage} under the profiler ...", flush=True)
+        stages.append(profile_stage(stage, args, logs))
+    cpu = loop_cpu(args, logs)
+    for row in stages:
+        row.update(cpu[row["stage"]])
+    for before, after in itertools.pairwise(stages):
+        extra = after["calls_per_request"] - before["calls_per_request"]
+        after["extra_calls"] = round(extra, 1)
+        after["extra_loop_us"] = round(1e3 * (after["loop_cpu_ms"] - before["loop_cpu_ms"]), 1)
+        after["us_per_extra_call"] = round(after["extra_loop_us"] / extra, 2) if extra > 0 else None
+        mine, theirs = after["top_functions"], before["top_functions"]
+        added = {f: c - theirs.get(f, 0.0) for f, c in mine.items() if not _is_c(f)}
+        after["added_functions"] = {f: round(c, 1) for f, c in sorted(added.items(), key=lambda x: -x[1])[:8]}
+    return {
+        "duration_s": args.duration,
+        "warmup_s": args.warmup,
+        "rounds": args.rounds,
+        "stages": list(args.stages),
+        "results": stages,
+    }
+
+
+def _is_c(function: str) -> bool:
+    """A C function (counted under its caller's file, ``file: name``)."""
+    return ": " in function
+
+
+# --- the page ----------------------------------------------------------------------------
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["results"]
+    labels = [stage_label(r["stage"]) for r in rows]
+    calls = table(
+        ["Python calls per request", *labels],
+        [
+            *[[g, *[num(r["by_group"][g], 0) for r in rows]] for g in ORDER],
+            ["**all**", *[f"**{num(r['calls_per_request'], 0)}**" for r in rows]],
+        ],
+    )
+    priced = table(
+        ["stage", "calls / request", "more", "loop CPU ms / req", "more", "µs a call",
+         "other threads ms / req", "p50 ms"],
+        [
+            (
+                stage_label(r["stage"]), num(r["calls_per_request"], 0), num(r.get("extra_calls"), 0),
+                num(r["loop_cpu_ms"], 2), num(r.get("extra_loop_us"), 0, " µs"),
+                num(r.get("us_per_extra_call"), 2), num(r["other_cpu_ms"], 2), num(r["p50_ms"], 2),
+            )
+            for r in rows
+        ],
+        align="lrrrrrrr",
+    )  # fmt: skip
+    added = []
+    for r in rows[1:]:
+        top = ", ".join(f"`{_dotted(f)}` {c:.0f}" for f, c in list(r["added_functions"].items())[:5])
+        added.append((stage_label(r["stage"]), top))
+    note = (
+        f"One connection, one new sentence per request; calls counted on the event loop's thread"
+        f" under cProfile for {result['duration_s']:g} s, the loop's CPU measured without it"
+        f" (median of {result['rounds']} rounds taken in turns). *more*: than the stage before;"
+        " *µs a call*: the loop's extra CPU over its extra calls."
+    )
+    sections = {
+        "calls": calls,
+        "priced": priced,
+        "added": table(["stage", "what it adds most, calls per request"], added, align="ll"),
+    }
+    return page(result["stamp"], sections, note) + "\n"
+
+
+def _dotted(function: str) -> str:
+    """``prometheus_client/values.py:inc`` -> ``prometheus_client.values.inc``."""
+    path, _, name = function.partition(":")
+    return f"{path.removesuffix('.py').replace('/', '.')}.{name}"
+
+
+def headline(result: dict[str, Any]) -> dict[str, float]:
+    return {f"{stage_label(r['stage'])} calls per request": r["calls_per_request"] for r in result["results"]}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--duration", type=float, help="Seconds measured per point (default 6).")
+    parser.add_argument("--warmup", type=float, help="Seconds of load before each point (default 2).")
+    parser.add_argument("--rounds", type=int, help="Rounds of the unprofiled loop-CPU points (default 3).")
+    parser.add_argument("--stages", nargs="+", default=list(STAGES))
+    parser.add_argument("--out", type=Path, help="Folder for request_path.json and .md.")
+    parser.add_argument("--serve", help=argparse.SUPPRESS)  # the child: a profiled server
+    parser.add_argument("--profile-to", type=Path, help=argparse.SUPPRESS)
+    evidence.add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.serve:
+        serve_profiled(args.serve, args.profile_to)
+        return
+    run = evidence.start("benchmarks.request_path", args, argv)
+    args.duration = args.duration or (2.0 if args.quick else 6.0)
+    args.warmup = args.warmup or (0.5 if args.quick else 2.0)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    result = {"stamp": {}, **measure(args)}
+    result["stamp"] = run.stamp()
+    evidence.publish(run, args.out, "request_path", result, markdown, headline)
+
+
+if __name__ == "__main__":
+    main()
