@@ -13,8 +13,9 @@ same bookkeeping (``idiom_app`` below). Measured three ways:
 2. ``in_process``: stage 4, stage 5 and its variants in one process, one memory-cache hit at a
    time through ASGI, in alternating blocks, in the process's CPU time (every thread);
 3. ``sockets``: stage 4, stage 5, its idiom variant, stage 5 writing its request lines on the
-   event loop and stage 5 with LOG_LEVEL=WARNING (no request lines), under uvicorn side by side,
-   32 closed-loop clients sending cached texts, in turns (ABCDE EDCBA): requests/s and server
+   event loop, stage 5 with the standard ``QueueListener`` (a wake-up per line) and stage 5 with
+   LOG_LEVEL=WARNING (no request lines), under uvicorn side by side,
+   32 closed-loop clients sending cached texts, in turns (ABCDEF FEDCBA): requests/s and server
    CPU per request.
 """
 
@@ -45,6 +46,7 @@ from loadtests.procs import REPO, free_port, server_env, wait_http
 from loadtests.tables import num, page, table
 
 LOGS = evidence.OUT / "logs" / "stage5_middleware"
+PER_LINE = "stage 5, the standard QueueListener (a wake-up per line)"
 TEXTS = [f"a cached sentence number {i} for the middleware measurement" for i in range(300)]
 
 
@@ -105,6 +107,19 @@ def direct_log_app() -> Any:
     ours = logging.getLogger("embedserve")
     ours.handlers = [h.target for h in ours.handlers]  # type: ignore[attr-defined]  # the queue's own StreamHandler, used directly
     return app
+
+
+def per_line_listener_app() -> Any:
+    """Stage 5 with the standard library's ``QueueListener``, which wakes for every line (the
+    shipped ``GatheringListener`` lets lines gather between wake-ups)."""
+    from logging.handlers import QueueListener
+
+    from stage5_metrics.app import build_app
+    from stage5_metrics.logs import _Queued
+
+    ours = logging.getLogger("embedserve")  # configure_logging keeps a queue it finds there
+    ours.addHandler(_Queued(logging.StreamHandler(sys.stderr), listener=QueueListener))
+    return build_app()
 
 
 # --- 1. each call on its own ------------------------------------------------------------------
@@ -208,6 +223,7 @@ def sockets(rounds: int, seconds: float, clients: int) -> dict[str, Any]:
         "stage 5, pure ASGI middleware (shipped)": ("stage5_metrics.app:build_app", {}),
         "stage 5, @app.middleware": ("benchmarks.stage5_middleware:idiom_app", {}),
         "stage 5, request lines written on the loop": ("benchmarks.stage5_middleware:direct_log_app", {}),
+        PER_LINE: ("benchmarks.stage5_middleware:per_line_listener_app", {}),
         "stage 5, LOG_LEVEL=WARNING (no request lines)": (
             "stage5_metrics.app:build_app",
             {"LOG_LEVEL": "WARNING"},
@@ -225,7 +241,7 @@ def sockets(rounds: int, seconds: float, clients: int) -> dict[str, Any]:
         for _, port in servers.values():  # every text once: from here on all cache hits
             run_load("127.0.0.1", port, requests, 4, 1.0, warmup=0)
         for round_ in range(rounds):
-            for name in list(targets) if round_ % 2 == 0 else list(targets)[::-1]:  # ABCDE EDCBA
+            for name in list(targets) if round_ % 2 == 0 else list(targets)[::-1]:  # ABCDEF FEDCBA
                 process, port = servers[name]
                 server = psutil.Process(process.pid)
                 cpu = sum(server.cpu_times()[:2])
@@ -242,7 +258,7 @@ def sockets(rounds: int, seconds: float, clients: int) -> dict[str, Any]:
         }
         for name, ps in points.items()
     }
-    stage4, pure, idiom, direct, quiet = (summary[n] for n in targets)
+    stage4, pure, idiom, direct, per_line, quiet = (summary[n] for n in targets)
     return {
         "clients": clients,
         "seconds": seconds,
@@ -255,13 +271,19 @@ def sockets(rounds: int, seconds: float, clients: int) -> dict[str, Any]:
         ),
         "stage5_over_stage4_requests_per_s": round(pure["requests_per_s"] / stage4["requests_per_s"], 4),
         "request_lines_cpu_us_per_request": {
-            "QueueHandler (shipped)": round(
+            "QueueHandler, lines gathered (shipped)": round(
                 pure["server_cpu_us_per_request"] - quiet["server_cpu_us_per_request"], 1
             ),
             "written on the loop": round(
                 direct["server_cpu_us_per_request"] - quiet["server_cpu_us_per_request"], 1
             ),
+            "QueueHandler, a wake-up per line": round(
+                per_line["server_cpu_us_per_request"] - quiet["server_cpu_us_per_request"], 1
+            ),
         },
+        "gathering_over_per_line_requests_per_s": round(
+            pure["requests_per_s"] / per_line["requests_per_s"], 4
+        ),
     }
 
 
@@ -285,6 +307,13 @@ def markdown(result: dict[str, Any]) -> str:
             ("server CPU a request over sockets", f"{sockets_['idiom_over_pure_cpu_per_request']:.2f}x"),
         ],
     )
+    lines = sockets_["request_lines_cpu_us_per_request"]
+    listener = table(
+        ["the request lines, over sockets", "server CPU µs a request"],
+        [*[(k, num(v, 1)) for k, v in lines.items()],
+         ("req/s, lines gathered against a wake-up per line",
+          f"{sockets_.get('gathering_over_per_line_requests_per_s', 0):.2f}x")],
+    )  # fmt: skip
     note = (
         f"In process: {result['in_process']['blocks']} alternating blocks of"
         f" {result['in_process']['requests_per_block']} requests. Over sockets: {result['sockets']['rounds']}"
@@ -294,7 +323,13 @@ def markdown(result: dict[str, Any]) -> str:
     return (
         page(
             result["stamp"],
-            {"calls": calls, "in_process": in_process, "sockets": sockets, "middleware": ratios},
+            {
+                "calls": calls,
+                "in_process": in_process,
+                "sockets": sockets,
+                "middleware": ratios,
+                "listener": listener,
+            },
             note,
         )
         + "\n"

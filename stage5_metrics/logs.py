@@ -7,7 +7,9 @@ neither do headers or keys.
 
 Writing to stderr can block (a full pipe, a slow log shipper), so the ``embedserve.*`` lines
 go through a ``QueueHandler``: the event loop only puts the record on a queue, and a
-``QueueListener`` thread formats and writes it. uvicorn configures its loggers before it
+``QueueListener`` thread formats and writes it. The listener lets lines gather between its
+wake-ups (``GatheringListener``): the standard one wakes for every line, and each wake-up takes
+the GIL from the event loop. uvicorn configures its loggers before it
 imports the app, so ``configure_logging``, called when the app is built, gives uvicorn's
 lines ("Started server process", "Uvicorn running on", errors) the same format; they are few,
 so they are written directly.
@@ -81,15 +83,41 @@ class TextFormatter(logging.Formatter):
         return head + pairs + newline + trace
 
 
+# --8<-- [start:gather]
+GATHER_S = 0.05  # lines are written at most this late
+
+
+class GatheringListener(QueueListener):
+    """The standard listener blocks on the queue, so every line put wakes its thread, which then
+    takes the GIL from the event loop to format one line: a hand-over per request. This one,
+    finding the queue empty, sleeps while lines gather; a line put meanwhile wakes nobody, and
+    the next wake-up writes them all (at 500 requests a second, 20 wake-ups instead of 500)."""
+
+    def __init__(self, lines: queue.SimpleQueue[Any], *handlers: logging.Handler) -> None:
+        super().__init__(lines, *handlers)
+        self.lines = lines
+
+    def dequeue(self, block: bool) -> Any:
+        try:
+            return self.lines.get_nowait()
+        except queue.Empty:
+            time.sleep(GATHER_S)
+            return self.lines.get(block)
+
+
+# --8<-- [end:gather]
+
+
 class _Queued(QueueHandler):
     """Puts records on a queue; a listener thread formats them and writes them to ``target``."""
 
-    def __init__(self, target: logging.Handler) -> None:
-        super().__init__(queue.SimpleQueue())
+    def __init__(self, target: logging.Handler, listener: type[QueueListener] = GatheringListener) -> None:
+        lines: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        super().__init__(lines)
         self.target = target
-        self.listener = QueueListener(self.queue, target)
+        self.listener = listener(lines, target)
         self.listener.start()
-        atexit.register(self.listener.stop)  # the lines still queued when the process ends
+        atexit.register(lambda: self.listener.stop())  # the lines still queued when the process ends
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         # The default turns the record into one preformatted string; the listener formats it instead.
