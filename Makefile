@@ -138,11 +138,11 @@ dashboard-screenshot: setup browser
 before-after: setup
 	$(PY) -m benchmarks.before_after $(EVIDENCE) $(if $(BEFORE),--before $(BEFORE)) $(ARGS)
 
-## bench-layers: stages 2 to 5 in turns on all-unique texts, the engine as yardstick (~8 min; QUICK=1 ~1 min)
+## bench-layers: stages 2 to 5 in turns on all-unique texts, the engine as yardstick (~14 min; QUICK=1 ~1 min)
 bench-layers: setup wrk
 	$(PY) -m benchmarks.layers $(EVIDENCE) $(ARGS)
 
-## bench-request-path: a lone request's Python calls on each stage's event loop, by where they are (~3 min; QUICK=1 ~1 min)
+## bench-request-path: a lone request's Python calls on each stage's event loop, by where they are (~4 min; QUICK=1 ~1 min)
 bench-request-path: setup wrk
 	$(PY) -m benchmarks.request_path $(EVIDENCE) $(ARGS)
 

@@ -1,6 +1,6 @@
 """Are the layers free? Stages 2 to 5 side by side on all-unique texts, taking turns.
 
-    python -m benchmarks.layers            # about 8 minutes; run it on a quiet machine
+    python -m benchmarks.layers            # about 14 minutes; run it on a quiet machine
     python -m benchmarks.layers --quick    # seconds per point, about a minute
     python -m benchmarks.layers --record   # written to docs/results/layers.*
     make bench-layers                      # the same (QUICK=1, RECORD=1)
@@ -211,7 +211,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--duration", type=float, help="Seconds measured per point (default 10).")
     parser.add_argument("--warmup", type=float, help="Seconds of load before each point (default 2).")
-    parser.add_argument("--rounds", type=int, help="Rounds per connection count (default 3).")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="Rounds per connection count (default 5: the machine drifts by more than a layer costs).",
+    )
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--stages", nargs="+", default=list(STAGES))
     parser.add_argument("--ceiling-seconds", type=float, help="Seconds per batch size for the engine.")
@@ -221,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     run = evidence.start("benchmarks.layers", args, argv)
     args.duration = args.duration or (2.0 if args.quick else 10.0)
     args.warmup = args.warmup or (0.5 if args.quick else 2.0)
-    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.rounds = args.rounds or (1 if args.quick else 5)
     args.ceiling_seconds = args.ceiling_seconds or (0.3 if args.quick else 2.0)
     result = {"stamp": {}, **measure(args)}
     result["stamp"] = run.stamp()

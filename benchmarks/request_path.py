@@ -1,6 +1,6 @@
 """What a lone request costs each stage's event loop, in Python function calls, and where they are.
 
-    python -m benchmarks.request_path            # about 3 minutes
+    python -m benchmarks.request_path            # about 4 minutes
     python -m benchmarks.request_path --quick    # about a minute
     python -m benchmarks.request_path --record   # written to docs/results/request_path.*
     make bench-request-path                      # the same (QUICK=1, RECORD=1)
@@ -14,8 +14,8 @@ the event loop's share (parse, route, validate, the layers, encode) and the mode
   stops it and writes it out): the Python function calls per request, by where the function is
   defined (a C function counts where its caller is). Unlike a time, a count is the same in
   every run on every machine;
-* then the same stages, unprofiled, take turns at one connection (medians of 3 rounds): the
-  loop's CPU per request, so each stage's extra calls can be priced in microseconds.
+* then the same stages, unprofiled, take turns at one connection (medians of 5 rounds): the
+  loop's CPU per request beside the other threads' (the model's, mostly) and the p50.
 
 Writes request_path.json and request_path.md (the stage 5 chapter includes the tables).
 """
@@ -204,8 +204,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for before, after in itertools.pairwise(stages):
         extra = after["calls_per_request"] - before["calls_per_request"]
         after["extra_calls"] = round(extra, 1)
-        after["extra_loop_us"] = round(1e3 * (after["loop_cpu_ms"] - before["loop_cpu_ms"]), 1)
-        after["us_per_extra_call"] = round(after["extra_loop_us"] / extra, 2) if extra > 0 else None
         mine, theirs = after["top_functions"], before["top_functions"]
         added = {f: c - theirs.get(f, 0.0) for f, c in mine.items() if not _is_c(f)}
         after["added_functions"] = {f: round(c, 1) for f, c in sorted(added.items(), key=lambda x: -x[1])[:8]}
@@ -235,17 +233,16 @@ def markdown(result: dict[str, Any]) -> str:
         ],
     )
     priced = table(
-        ["stage", "calls / request", "more", "loop CPU ms / req", "more", "µs a call",
-         "other threads ms / req", "p50 ms"],
+        ["stage", "calls / request", "more than the stage before", "loop CPU ms / request",
+         "other threads ms / request", "p50 ms"],
         [
             (
                 stage_label(r["stage"]), num(r["calls_per_request"], 0), num(r.get("extra_calls"), 0),
-                num(r["loop_cpu_ms"], 2), num(r.get("extra_loop_us"), 0, " µs"),
-                num(r.get("us_per_extra_call"), 2), num(r["other_cpu_ms"], 2), num(r["p50_ms"], 2),
+                num(r["loop_cpu_ms"], 2), num(r["other_cpu_ms"], 2), num(r["p50_ms"], 2),
             )
             for r in rows
         ],
-        align="lrrrrrrr",
+        align="lrrrrr",
     )  # fmt: skip
     added = []
     for r in rows[1:]:
@@ -254,8 +251,7 @@ def markdown(result: dict[str, Any]) -> str:
     note = (
         f"One connection, one new sentence per request; calls counted on the event loop's thread"
         f" under cProfile for {result['duration_s']:g} s, the loop's CPU measured without it"
-        f" (median of {result['rounds']} rounds taken in turns). *more*: than the stage before;"
-        " *µs a call*: the loop's extra CPU over its extra calls."
+        f" (median of {result['rounds']} rounds taken in turns)."
     )
     sections = {
         "calls": calls,
@@ -281,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--duration", type=float, help="Seconds measured per point (default 6).")
     parser.add_argument("--warmup", type=float, help="Seconds of load before each point (default 2).")
-    parser.add_argument("--rounds", type=int, help="Rounds of the unprofiled loop-CPU points (default 3).")
+    parser.add_argument("--rounds", type=int, help="Rounds of the unprofiled loop-CPU points (default 5).")
     parser.add_argument("--stages", nargs="+", default=list(STAGES))
     parser.add_argument("--out", type=Path, help="Folder for request_path.json and .md.")
     parser.add_argument("--serve", help=argparse.SUPPRESS)  # the child: a profiled server
@@ -294,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     run = evidence.start("benchmarks.request_path", args, argv)
     args.duration = args.duration or (2.0 if args.quick else 6.0)
     args.warmup = args.warmup or (0.5 if args.quick else 2.0)
-    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.rounds = args.rounds or (1 if args.quick else 5)
     result = {"stamp": {}, **measure(args)}
     result["stamp"] = run.stamp()
     evidence.publish(run, args.out, "request_path", result, markdown, headline)
