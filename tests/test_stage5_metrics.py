@@ -337,3 +337,24 @@ def test_answers_before_routing_keep_their_route(server: Server) -> None:
         value(after, "embedserve_requests_total", **key) - value(before, "embedserve_requests_total", **key)
         == 1
     )
+
+
+def test_every_request_line_is_written_before_a_sigterm_ends_the_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The log listener lets lines gather for up to 50 ms before it writes them; a SIGTERM right
+    after the last answer still finds every request's line in the log."""
+    with run_server(STAGE, tmp_path_factory.mktemp("last-lines")) as srv:
+        ids = [f"last-line-{i}" for i in range(30)]
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            for rid in ids:
+                answer = client.post(
+                    "/v1/embed", json={"inputs": [f"text {rid}"]}, headers={"X-Request-ID": rid}
+                )
+                assert answer.status_code == 200
+        srv.process.terminate()  # at once: the last lines are still gathering
+        assert srv.process.wait(timeout=60) in (0, -15)
+        logged = {
+            json.loads(line).get("request_id") for line in srv.log().splitlines() if line.startswith("{")
+        }
+    assert set(ids) <= logged
