@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -81,20 +81,27 @@ def measure_point(server: Any, clients: int, seed: int, args: argparse.Namespace
     return point
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def in_turns(
+    servers: Mapping[str, Any], clients: int, args: argparse.Namespace, seed: int = 9000
+) -> list[dict[str, Any]]:
+    """The running ``servers`` measured in turns (A B C, A B C: every stage once per round,
+    ``args.rounds`` rounds) at ``clients`` connections; every point, with its stage and round."""
     points: list[dict[str, Any]] = []
+    for round_ in range(args.rounds):
+        for stage, server in servers.items():
+            settle(server.pid, server.url)
+            point = measure_point(server, clients, seed=seed + 100 * round_ + clients, args=args)
+            point.update(stage=stage, round=round_)
+            print(json.dumps(point), flush=True)
+            points.append(point)
+    return points
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     with ExitStack() as stack:
         logs = evidence.OUT / "logs" / "layers"
         servers = {stage: stack.enter_context(running_stage(stage, logs)) for stage in args.stages}
-        for clients in args.clients:
-            for round_ in range(args.rounds):
-                for stage in args.stages:  # A B C, A B C: every stage once per round
-                    server = servers[stage]
-                    settle(server.pid, server.url)
-                    point = measure_point(server, clients, seed=9000 + 100 * round_ + clients, args=args)
-                    point.update(stage=stage, round=round_)
-                    print(json.dumps(point), flush=True)
-                    points.append(point)
+        points = [p for clients in args.clients for p in in_turns(servers, clients, args)]
     print("the engine alone ...", flush=True)
     ceiling = engine_ceiling(["sentence"], args.ceiling_seconds)["sentence"]
     return {

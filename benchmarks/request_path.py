@@ -37,7 +37,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from benchmarks.layers import STAGES, measure_point
+from benchmarks.layers import STAGES, in_turns
 from benchmarks.stage3 import bodies_for
 from loadtests import evidence, wrk
 from loadtests.harness import settle
@@ -91,7 +91,8 @@ def serve_profiled(stage: str, out: Path) -> None:
 
     def end(*_: Any) -> None:
         profile.disable()
-        profile.dump_stats(out)
+        profile.dump_stats(out.with_suffix(".part"))
+        out.with_suffix(".part").replace(out)  # whole or not there: the parent waits for it
 
     signal.signal(signal.SIGUSR1, begin)  # the handlers run on the main thread: the event loop's
     signal.signal(signal.SIGUSR2, end)
@@ -99,18 +100,24 @@ def serve_profiled(stage: str, out: Path) -> None:
 
 
 # --- reading a profile -------------------------------------------------------------------
+def _from_root(filename: str) -> tuple[str, Path]:
+    """Where a function's file lives (``packages``, ``repo``, ``stdlib`` or ``elsewhere``) and its
+    path from there."""
+    path = Path(filename)
+    if "site-packages" in path.parts:
+        return "packages", Path(*path.parts[path.parts.index("site-packages") + 1 :])
+    for root, folder in (("repo", evidence.REPO), ("stdlib", Path(os.__file__).parent)):
+        if path.is_relative_to(folder):
+            return root, path.relative_to(folder)
+    return "elsewhere", path
+
+
 def where(filename: str) -> str:
     """The package or repository folder a function's file is in (``~`` for a C function)."""
     if filename.startswith("~"):
         return "~"
-    path = Path(filename)
-    if "site-packages" in path.parts:
-        return path.parts[path.parts.index("site-packages") + 1].removesuffix(".py")
-    repo = evidence.REPO
-    if path.is_relative_to(repo):
-        return path.relative_to(repo).parts[0]
-    stdlib = Path(os.__file__).parent
-    return path.relative_to(stdlib).parts[0].removesuffix(".py") if path.is_relative_to(stdlib) else path.name
+    root, path = _from_root(filename)
+    return path.name if root == "elsewhere" else path.parts[0].removesuffix(".py")
 
 
 def group_of(filename: str) -> str:
@@ -140,12 +147,8 @@ def calls_by_group(stats: pstats.Stats) -> tuple[float, dict[str, float], dict[s
 
 
 def _short(filename: str) -> str:
-    path = Path(filename)
-    if "site-packages" in path.parts:
-        return "/".join(path.parts[path.parts.index("site-packages") + 1 :])
-    if path.is_relative_to(evidence.REPO):
-        return str(path.relative_to(evidence.REPO))
-    return path.name
+    root, path = _from_root(filename)
+    return "/".join(path.parts) if root in ("packages", "repo") else path.name
 
 
 # --- measuring ---------------------------------------------------------------------------
@@ -163,7 +166,6 @@ def profile_stage(stage: str, args: argparse.Namespace, logs: Path) -> dict[str,
         deadline = time.monotonic() + 30
         while not out.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        time.sleep(0.5)  # the dump is written
     requests, groups, functions = calls_by_group(pstats.Stats(str(out)))
     return {
         "stage": stage,
@@ -177,18 +179,13 @@ def profile_stage(stage: str, args: argparse.Namespace, logs: Path) -> dict[str,
 
 def loop_cpu(args: argparse.Namespace, logs: Path) -> dict[str, dict[str, float]]:
     """Each stage unprofiled at one connection, in turns: medians of the loop's CPU per request."""
-    points: dict[str, list[dict[str, Any]]] = {s: [] for s in args.stages}
     with ExitStack() as stack:
         servers = {s: stack.enter_context(running_stage(s, logs)) for s in args.stages}
-        for round_ in range(args.rounds):
-            for stage in args.stages:
-                server = servers[stage]
-                settle(server.pid, server.url)
-                point = measure_point(server, 1, seed=7100 + 100 * round_, args=args)
-                print(stage, round_, point, flush=True)
-                points[stage].append(point)
+        points = in_turns(servers, 1, args, seed=7099)
     keys = ("p50_ms", "loop_cpu_ms", "other_cpu_ms")
-    return {s: {k: statistics.median(p[k] for p in ps) for k in keys} for s, ps in points.items()}
+    return {
+        s: {k: statistics.median(p[k] for p in points if p["stage"] == s) for k in keys} for s in args.stages
+    }
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
