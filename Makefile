@@ -142,7 +142,7 @@ before-after: setup
 bench-layers: setup wrk
 	$(PY) -m benchmarks.layers $(EVIDENCE) $(ARGS)
 
-## bench-request-path: a lone request's Python calls on each stage's event loop, by where they are (~4 min; QUICK=1 ~1 min)
+## bench-request-path: a lone request's Python calls on each stage's event loop, by where they are, and stage 5's by layer (~6 min; QUICK=1 ~2 min)
 bench-request-path: setup wrk
 	$(PY) -m benchmarks.request_path $(EVIDENCE) $(ARGS)
 

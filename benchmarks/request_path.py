@@ -1,7 +1,7 @@
 """What a lone request costs each stage's event loop, in Python function calls, and where they are.
 
-    python -m benchmarks.request_path            # about 4 minutes
-    python -m benchmarks.request_path --quick    # about a minute
+    python -m benchmarks.request_path            # about 6 minutes
+    python -m benchmarks.request_path --quick    # about 2 minutes
     python -m benchmarks.request_path --record   # written to docs/results/request_path.*
     make bench-request-path                      # the same (QUICK=1, RECORD=1)
 
@@ -15,7 +15,10 @@ the event loop's share (parse, route, validate, the layers, encode) and the mode
   defined (a C function counts where its caller is). Unlike a time, a count is the same in
   every run on every machine;
 * then the same stages, unprofiled, take turns at one connection (medians of 5 rounds): the
-  loop's CPU per request beside the other threads' (the model's, mostly) and the p50.
+  loop's CPU per request beside the other threads' (the model's, mostly) and the p50. The slope
+  of the loop's CPU over the stages' calls is what a call costs the loop on this machine;
+* last, stage 5 is counted again with one of its layers taken out at a time (``WITHOUT``): what
+  each layer's calls are, and what they cost at that price.
 
 Writes request_path.json and request_path.md (the stage 5 chapter includes the tables).
 """
@@ -34,6 +37,7 @@ import sys
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,29 +78,84 @@ ORDER = (
     "stage 5 (telemetry)",
     OTHER,
 )
+
+
+@dataclass(frozen=True)
+class Without:
+    """Stage 5 with a layer taken out: by a setting the server has, else by a patch that the
+    profiled child applies before the app is imported (an experiment, not a setting to offer)."""
+
+    label: str
+    env: dict[str, str] = field(default_factory=dict)
+    patches: tuple[str, ...] = ()
+
+
+WITHOUT = {
+    "watch": Without("the disconnect watch", patches=("watch",)),
+    "cache": Without("the cache and single-flight (`CACHE_ENABLED=false`)", {"CACHE_ENABLED": "false"}),
+    "metrics": Without("the counters and histograms", patches=("metrics",)),
+    "log": Without("the request log line (`LOG_LEVEL=WARNING`)", {"LOG_LEVEL": "WARNING"}),
+    "all": Without(
+        "all four", {"CACHE_ENABLED": "false", "LOG_LEVEL": "WARNING"}, patches=("watch", "metrics")
+    ),
+}
+LAYERED = "stage5_metrics"  # the stage the layers are taken out of
+
 # Called once per answered embedding request, and not a coroutine (a coroutine's every resume
 # counts as a call): the request count.
 ONCE_PER_REQUEST = ("common/api.py", "_result_headers")
 
 
 # --- the profiled server (a child process) -----------------------------------------------
-def serve_profiled(stage: str, out: Path) -> None:
+def serve_profiled(stage: str, out: Path, patches: Sequence[str] = ()) -> None:
     """``make stageN``'s server, counting the loop thread's calls between SIGUSR1 and SIGUSR2."""
     from common import serve
+    from stage5_metrics.window import Window
 
-    profile = cProfile.Profile()
+    take_out(patches)
+    profile, counting = cProfile.Profile(), False
 
     def begin(*_: Any) -> None:
+        nonlocal counting
+        counting = True
         profile.enable()
 
     def end(*_: Any) -> None:
+        nonlocal counting
+        counting = False
         profile.disable()
         profile.dump_stats(out.with_suffix(".part"))
         out.with_suffix(".part").replace(out)  # whole or not there: the parent waits for it
 
+    sample = Window.sample
+
+    def sample_uncounted(window: Window) -> None:
+        """Stage 5's once-a-second reading of its registry is not on a request's path: counted,
+        it would add more calls to each request the fewer requests share a second."""
+        profile.disable()
+        try:
+            sample(window)
+        finally:
+            if counting:
+                profile.enable()
+
+    Window.sample = sample_uncounted  # type: ignore[method-assign]
     signal.signal(signal.SIGUSR1, begin)  # the handlers run on the main thread: the event loop's
     signal.signal(signal.SIGUSR2, end)
     serve.main([stage])
+
+
+def take_out(patches: Sequence[str]) -> None:
+    """Replace a layer with nothing, in this process, before uvicorn imports the app."""
+    if "watch" in patches:  # the work is awaited as it is: no task listens for a hang-up
+        from stage4_cache_backpressure import app as stage4
+
+        stage4.unless_client_leaves = lambda work, _request: work  # type: ignore[assignment]
+    if "metrics" in patches:  # no counter or histogram is updated, per request or per batch
+        from stage5_metrics.metrics import Metrics
+
+        for name in ("observe_request", "observe_result", "observe_batch"):
+            setattr(Metrics, name, lambda *_: None)
 
 
 # --- reading a profile -------------------------------------------------------------------
@@ -152,12 +211,16 @@ def _short(filename: str) -> str:
 
 
 # --- measuring ---------------------------------------------------------------------------
-def profile_stage(stage: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
-    out = logs / f"{stage}.prof"
+def profile_stage(
+    stage: str, args: argparse.Namespace, logs: Path, without: str | None = None
+) -> dict[str, Any]:
+    out = logs / f"{stage}{'-without-' + without if without else ''}.prof"
     out.unlink(missing_ok=True)
-    command = (sys.executable, "-m", "benchmarks.request_path", "--serve", stage, "--profile-to", str(out))
+    layer = WITHOUT[without] if without else Without("")
+    command = (sys.executable, "-m", "benchmarks.request_path", "--serve", stage, "--profile-to", str(out),
+               *(("--take-out", ",".join(layer.patches)) if layer.patches else ()))  # fmt: skip
     bodies = bodies_for("sentence", 10_000, seed=700)
-    with running_stage(stage, logs, command=command) as server:
+    with running_stage(stage, logs, layer.env, command=command) as server:
         settle(server.pid, server.url)
         wrk.run(server.url, bodies[::-1], 1, args.warmup)
         server.signal(signal.SIGUSR1)
@@ -198,19 +261,58 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     cpu = loop_cpu(args, logs)
     for row in stages:
         row.update(cpu[row["stage"]])
+    price = price_of_a_call(stages)
+    full = next((r for r in stages if r["stage"] == LAYERED), None)
+    layers = [] if full is None else [take_out_one(key, full, price, args, logs) for key in args.without]
     for before, after in itertools.pairwise(stages):
         extra = after["calls_per_request"] - before["calls_per_request"]
         after["extra_calls"] = round(extra, 1)
-        mine, theirs = after["top_functions"], before["top_functions"]
-        added = {f: c - theirs.get(f, 0.0) for f, c in mine.items() if not _is_c(f)}
-        after["added_functions"] = {f: round(c, 1) for f, c in sorted(added.items(), key=lambda x: -x[1])[:8]}
+        after["added_functions"] = _most(after["top_functions"], before["top_functions"], 8)
     return {
         "duration_s": args.duration,
         "warmup_s": args.warmup,
         "rounds": args.rounds,
         "stages": list(args.stages),
         "results": stages,
+        "price_us_per_call": None if price is None else round(price, 3),
+        "without": layers,
     }
+
+
+def take_out_one(
+    key: str, full: dict[str, Any], price: float | None, args: argparse.Namespace, logs: Path
+) -> dict[str, Any]:
+    """Stage 5 counted again without one layer: how many fewer calls, and what they cost the loop."""
+    print(f"{LAYERED} without {WITHOUT[key].label} under the profiler ...", flush=True)
+    row = profile_stage(LAYERED, args, logs, without=key)
+    fewer = full["calls_per_request"] - row["calls_per_request"]
+    return {
+        "without": key,
+        "label": WITHOUT[key].label,
+        "calls_per_request": row["calls_per_request"],
+        "fewer_calls": round(fewer, 1),
+        "loop_us_saved": None if price is None else round(fewer * price, 1),
+        "by_group": row["by_group"],
+        "gone_functions": _most(full["top_functions"], row["top_functions"], 8),
+    }
+
+
+def price_of_a_call(rows: Sequence[dict[str, Any]]) -> float | None:
+    """Microseconds of the loop's CPU per Python call: the least-squares slope of the stages' loop
+    CPU per request over their calls per request (None when it cannot be told: fewer than two
+    stages, or a slope that is not positive)."""
+    if len(rows) < 2:
+        return None
+    slope, _ = statistics.linear_regression(
+        [r["calls_per_request"] for r in rows], [r["loop_cpu_ms"] * 1e3 for r in rows]
+    )
+    return slope if slope > 0 else None
+
+
+def _most(more: dict[str, float], fewer: dict[str, float], n: int) -> dict[str, float]:
+    """The ``n`` Python functions called most more often in ``more`` than in ``fewer``, per request."""
+    extra = {f: c - fewer.get(f, 0.0) for f, c in more.items() if not _is_c(f)}
+    return {f: round(c, 1) for f, c in sorted(extra.items(), key=lambda x: -x[1])[:n]}
 
 
 def _is_c(function: str) -> bool:
@@ -241,10 +343,7 @@ def markdown(result: dict[str, Any]) -> str:
         ],
         align="lrrrrr",
     )  # fmt: skip
-    added = []
-    for r in rows[1:]:
-        top = ", ".join(f"`{_dotted(f)}` {c:.0f}" for f, c in list(r["added_functions"].items())[:5])
-        added.append((stage_label(r["stage"]), top))
+    added = [(stage_label(r["stage"]), _listed(r["added_functions"], 5)) for r in rows[1:]]
     note = (
         f"One connection, one new sentence per request; calls counted on the event loop's thread"
         f" under cProfile for {result['duration_s']:g} s, the loop's CPU measured without it"
@@ -255,7 +354,21 @@ def markdown(result: dict[str, Any]) -> str:
         "priced": priced,
         "added": table(["stage", "what it adds most, calls per request"], added, align="ll"),
     }
+    if result.get("without"):
+        price = result["price_us_per_call"]
+        sections["without"] = table(
+            [f"{stage_label(LAYERED)} without", "calls / request", f"fewer than {stage_label(LAYERED)}",
+             "loop µs a request, at " + (f"{num(price, 2)} µs a call" if price else "(no price)"),
+             "what goes most, calls per request"],
+            [(w["label"], *(num(w[k], 0) for k in ("calls_per_request", "fewer_calls", "loop_us_saved")),
+              _listed(w["gone_functions"], 3)) for w in result["without"]],
+            align="lrrrl",
+        )  # fmt: skip
     return page(result["stamp"], sections, note) + "\n"
+
+
+def _listed(functions: dict[str, float], n: int) -> str:
+    return ", ".join(f"`{_dotted(f)}` {c:.0f}" for f, c in list(functions.items())[:n])
 
 
 def _dotted(function: str) -> str:
@@ -276,13 +389,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup", type=float, help="Seconds of load before each point (default 2).")
     parser.add_argument("--rounds", type=int, help="Rounds of the unprofiled loop-CPU points (default 5).")
     parser.add_argument("--stages", nargs="+", default=list(STAGES))
+    parser.add_argument(
+        "--without", nargs="*", choices=list(WITHOUT), default=list(WITHOUT),
+        help="Stage 5's layers to take out, one at a time (default: each, then all four).",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="Folder for request_path.json and .md.")
     parser.add_argument("--serve", help=argparse.SUPPRESS)  # the child: a profiled server
     parser.add_argument("--profile-to", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--take-out", default="", help=argparse.SUPPRESS)
     evidence.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.serve:
-        serve_profiled(args.serve, args.profile_to)
+        serve_profiled(args.serve, args.profile_to, [p for p in args.take_out.split(",") if p])
         return
     run = evidence.start("benchmarks.request_path", args, argv)
     args.duration = args.duration or (2.0 if args.quick else 6.0)

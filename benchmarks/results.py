@@ -104,7 +104,7 @@ STEPS: tuple[Step, ...] = (
         "a lone request's Python calls per stage, by where they are",
         "benchmarks.request_path",
         ("request_path.json",),
-        4,
+        6,
         1,
     ),
     Step("windows", "stage 3: load-tier windows by load", "benchmarks.windows", ("windows.json",), 8, 1),

@@ -13,7 +13,7 @@ import prometheus_client
 import pytest
 
 from benchmarks import request_path
-from benchmarks.request_path import OTHER, calls_by_group, group_of, main, markdown, where
+from benchmarks.request_path import OTHER, calls_by_group, group_of, main, markdown, price_of_a_call, where
 from common import api
 from common.api import EmbedResult
 
@@ -54,6 +54,14 @@ def test_a_profile_without_a_request_is_refused(tmp_path: Path) -> None:
         calls_by_group(pstats.Stats(str(tmp_path / "p.prof")))
 
 
+def test_a_call_is_priced_by_the_slope_of_the_loops_cpu_over_the_calls() -> None:
+    rows = [{"calls_per_request": c, "loop_cpu_ms": 0.2 + c * 1.5e-3} for c in (400, 530, 700, 890)]
+    assert price_of_a_call(rows) == pytest.approx(1.5)  # µs a call; the 0.2 ms every request pays is not
+    assert price_of_a_call(rows[:1]) is None  # one stage: no slope
+    falling = [{"calls_per_request": c, "loop_cpu_ms": 1.0 - c * 1e-4} for c in (400, 900)]
+    assert price_of_a_call(falling) is None  # noise larger than the calls: no price, not a negative one
+
+
 def test_the_page_is_rendered_from_the_committed_json() -> None:
     result = json.loads((RESULTS / "request_path.json").read_text())
     assert (RESULTS / "request_path.md").read_text() == markdown(result), "rerun `make bench-request-path`"
@@ -66,7 +74,7 @@ def test_a_short_run_counts_real_servers(tmp_path: Path) -> None:
     """Stages 2 and 5 under the profiler and then in turns: stage 5 makes more calls, in its own
     code among them, and every figure of the page is there."""
     main(["--quick", "--duration", "1", "--warmup", "0.5", "--stages", "stage2_threadpool", "stage5_metrics",
-          "--out", str(tmp_path)])  # fmt: skip
+          "--without", "--out", str(tmp_path)])  # fmt: skip
     result = json.loads((tmp_path / "request_path.json").read_text())
     two, five = result["results"]
     assert two["requests"] > 20 and five["requests"] > 20
@@ -78,4 +86,25 @@ def test_a_short_run_counts_real_servers(tmp_path: Path) -> None:
     assert any(f.startswith("prometheus_client") for f in five["added_functions"])
     page = (tmp_path / "request_path.md").read_text()
     assert page == markdown(result) and "[start:calls]" in page and "[start:added]" in page
+    assert "[start:without]" not in page and result["without"] == []  # none taken out: no such table
     assert not list(Path(request_path.__file__).parent.glob("*.prof"))  # the profiles stay in out/
+
+
+def test_taking_a_layer_out_of_stage_5_removes_its_calls(tmp_path: Path) -> None:
+    """Stage 5 counted again without the disconnect watch, then without the request metrics: each
+    time the calls that layer makes are gone, and nothing else is."""
+    main(["--quick", "--duration", "1", "--warmup", "0.5", "--stages", "stage3_batching", "stage5_metrics",
+          "--without", "watch", "metrics", "--out", str(tmp_path)])  # fmt: skip
+    result = json.loads((tmp_path / "request_path.json").read_text())
+    five = result["results"][1]["calls_per_request"]
+    watch, metrics = result["without"]
+    assert [watch["without"], metrics["without"]] == ["watch", "metrics"]
+    assert "stage4_cache_backpressure/disconnect.py:_client_gone" in watch["gone_functions"]
+    assert 3 < watch["fewer_calls"] < 60 and watch["calls_per_request"] == pytest.approx(
+        five - watch["fewer_calls"], abs=0.2
+    )
+    assert any(f.startswith("prometheus_client/") for f in metrics["gone_functions"])
+    assert 20 < metrics["fewer_calls"] < 150
+    assert metrics["by_group"]["stage 4 (cache, single-flight, admission)"] > 50  # the cache still runs
+    price = result["price_us_per_call"]
+    assert price is None or watch["loop_us_saved"] == pytest.approx(watch["fewer_calls"] * price, abs=0.2)
