@@ -91,20 +91,28 @@ def test_a_short_run_counts_real_servers(tmp_path: Path) -> None:
 
 
 def test_taking_a_layer_out_of_stage_5_removes_its_calls(tmp_path: Path) -> None:
-    """Stage 5 counted again without the disconnect watch, then without the request metrics: each
-    time the calls that layer makes are gone, and nothing else is."""
+    """Stage 5 counted again without the disconnect watch, then without the counters: each time
+    the calls of that layer's own code are gone, and the batcher's are untouched."""
     main(["--quick", "--duration", "1", "--warmup", "0.5", "--stages", "stage3_batching", "stage5_metrics",
           "--without", "watch", "metrics", "--out", str(tmp_path)])  # fmt: skip
     result = json.loads((tmp_path / "request_path.json").read_text())
-    five = result["results"][1]["calls_per_request"]
+    five = result["results"][1]
     watch, metrics = result["without"]
     assert [watch["without"], metrics["without"]] == ["watch", "metrics"]
-    assert "stage4_cache_backpressure/disconnect.py:_client_gone" in watch["gone_functions"]
-    assert 3 < watch["fewer_calls"] < 60 and watch["calls_per_request"] == pytest.approx(
-        five - watch["fewer_calls"], abs=0.2
-    )
-    assert any(f.startswith("prometheus_client/") for f in metrics["gone_functions"])
-    assert 20 < metrics["fewer_calls"] < 150
-    assert metrics["by_group"]["stage 4 (cache, single-flight, admission)"] > 50  # the cache still runs
-    price = result["price_us_per_call"]
-    assert price is None or watch["loop_us_saved"] == pytest.approx(watch["fewer_calls"] * price, abs=0.2)
+    stage4, stage5 = "stage 4 (cache, single-flight, admission)", "stage 5 (telemetry)"
+    # the watch lives in stage 4's folder (unless_client_leaves, _client_gone, hang_up) and in asyncio
+    assert five["by_group"][stage4] - watch["by_group"][stage4] >= 3
+    assert five["by_group"]["asyncio"] - watch["by_group"]["asyncio"] >= 3
+    assert watch["by_group"][stage5] == pytest.approx(five["by_group"][stage5], abs=3)  # the counters stay
+    # the counters are prometheus_client's, filed under stage 5's telemetry; the cache still runs
+    assert five["by_group"][stage5] - metrics["by_group"][stage5] >= 20
+    assert metrics["by_group"][stage4] == pytest.approx(five["by_group"][stage4], abs=3)
+    for row in (watch, metrics):  # nothing of the batcher goes with either layer
+        assert row["by_group"]["stage 3 (the batcher)"] == pytest.approx(
+            five["by_group"]["stage 3 (the batcher)"], abs=3
+        )
+        assert row["fewer_calls"] == pytest.approx(
+            five["calls_per_request"] - row["calls_per_request"], abs=0.2
+        )
+    assert all(f.startswith("prometheus_client/") for f in list(metrics["gone_functions"])[:3])
+    assert "common/api.py:_result_headers" not in metrics["gone_functions"]  # once a request, in both runs
