@@ -31,7 +31,7 @@ class BatchOutcome:
     vectors: np.ndarray
     queue_ms: float  # longest wait of the caller's texts
     inference_ms: float  # from the start of the caller's first batch to the end of its last
-    batch_sizes: list[int]
+    batch_sizes: list[int]  # in the order the batches formed
 
 
 @dataclass(slots=True, eq=False)
@@ -45,10 +45,7 @@ class PendingRequest:
     taken: int = 0  # texts taken into a batch: past that point a deadline lets them finish
     vectors: np.ndarray | None = None
     queue_ms: float = 0.0
-    model_start: float = float("inf")  # perf_counter: the caller's first batch started
-    model_end: float = 0.0  # ... and its last batch ended
-    batch_sizes: list[int] = field(default_factory=list)
-    last_batch: BatchRecord | None = None
+    batches: list[BatchRecord] = field(default_factory=list)  # the caller's, in the order they ended
     timer: asyncio.TimerHandle | None = None
 
     def deliver(self, index: int, vector: np.ndarray, batch: BatchRecord, queue_ms: float) -> None:
@@ -60,14 +57,14 @@ class PendingRequest:
         self.vectors[index] = vector
         self.left -= 1
         self.queue_ms = max(self.queue_ms, queue_ms)
-        if self.last_batch is not batch:  # the caller's first text in this batch
-            self.last_batch = batch
-            self.batch_sizes.append(batch.size)
-            self.model_start = min(self.model_start, batch.started)
-            self.model_end = max(self.model_end, batch.started + batch.inference_ms / 1e3)
+        if not self.batches or self.batches[-1] is not batch:  # the caller's first text in this batch
+            self.batches.append(batch)
         if self.left == 0:
-            model_ms = (self.model_end - self.model_start) * 1e3  # batches side by side overlap
-            outcome = BatchOutcome(self.vectors, self.queue_ms, model_ms, self.batch_sizes)
+            # Side by side, a later batch can end first: the sizes go in the order the batches
+            # formed, and the model time from the first start to the last end (they overlap).
+            batches = sorted(self.batches, key=lambda b: b.started)
+            model_ms = max(b.started * 1e3 + b.inference_ms for b in batches) - batches[0].started * 1e3
+            outcome = BatchOutcome(self.vectors, self.queue_ms, model_ms, [b.size for b in batches])
             self.future.set_result(outcome)
 
     def fail(self, exc: BaseException) -> None:

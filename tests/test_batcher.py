@@ -53,11 +53,16 @@ class FakeModel:
         self.calls: list[list[int]] = []  # markers of each call's rows
         self.poison: Callable[[list[np.ndarray]], bool] = lambda ids: False
         self.wrong_count = False
+        self.late = asyncio.Event()  # a second gate, for the calls ``held_back`` picks
+        self.late.set()
+        self.held_back: Callable[[list[np.ndarray]], bool] = lambda ids: False
 
     def __call__(self, ids: list[np.ndarray]) -> np.ndarray:
         self.calls.append([int(row[0]) for row in ids])
         self.loop.call_soon_threadsafe(self.entered.set)
         asyncio.run_coroutine_threadsafe(self.gate.wait(), self.loop).result(timeout=10)
+        if self.held_back(ids):
+            asyncio.run_coroutine_threadsafe(self.late.wait(), self.loop).result(timeout=10)
         if self.poison(ids):
             raise ValueError("poisoned input")
         out = np.array([[row[0], len(row), row.sum(), 1.0] for row in ids], dtype=np.float32)
@@ -283,6 +288,34 @@ async def test_a_request_larger_than_a_batch_is_answered_whole_and_in_order(
     assert big.result().batch_sizes == [8, 8, 4]
     assert markers(small.result()) == [5] and small.result().batch_sizes == [4]
     assert big.result().vectors.shape == (19, 4)
+
+
+@KINDS
+async def test_batch_sizes_are_told_in_the_order_the_batches_formed(
+    model: FakeModel, records: list[BatchRecord], kind: type[Batcher]
+) -> None:
+    """Two slots: the request's second batch is held in the model while its third (shorter)
+    one runs and ends first. ``x-batch-size`` still reads 4,4,2, and the model time runs from
+    the first batch's start to the held batch's end."""
+    batcher = await started(
+        model, records, kind, batch_concurrency=2, max_batch_size=4, batch_low_threshold=1
+    )
+    model.late.clear()
+    model.held_back = lambda ids: int(ids[0][0]) == 5  # the batch that starts with marker 5
+    big = submit(batcher, *range(1, 11))
+    while len(records) < 2:  # the first and the third batch have ended; the second is held
+        await asyncio.sleep(0.005)
+    assert [r.size for r in records] == [4, 2] and not big.done()
+    model.late.set()
+    await done(big)
+    outcome = big.result()
+    assert markers(outcome) == list(range(1, 11))
+    assert outcome.batch_sizes == [4, 4, 2]
+    held = records[2]
+    assert outcome.inference_ms == pytest.approx(
+        (held.started - min(r.started for r in records)) * 1e3 + held.inference_ms, rel=1e-6
+    )
+    await batcher.close()
 
 
 # --- length grouping ------------------------------------------------------------------
