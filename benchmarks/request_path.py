@@ -95,10 +95,12 @@ WITHOUT = {
     "cache": Without("the cache and single-flight (`CACHE_ENABLED=false`)", {"CACHE_ENABLED": "false"}),
     "metrics": Without("the counters and histograms", patches=("metrics",)),
     "log": Without("the request log line (`LOG_LEVEL=WARNING`)", {"LOG_LEVEL": "WARNING"}),
-    "all": Without(
-        "all four", {"CACHE_ENABLED": "false", "LOG_LEVEL": "WARNING"}, patches=("watch", "metrics")
-    ),
 }
+WITHOUT["all"] = Without(  # every one of them at once: their settings and patches together
+    "all four",
+    {k: v for layer in WITHOUT.values() for k, v in layer.env.items()},
+    tuple(p for layer in WITHOUT.values() for p in layer.patches),
+)
 LAYERED = "stage5_metrics"  # the stage the layers are taken out of
 
 # Called once per answered embedding request, and not a coroutine (a coroutine's every resume
