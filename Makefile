@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 export HOST PORT
 
-.PHONY: setup model stage0 stage1 stage2 stage3 stage4 stage5 test lint format browser clean
+.PHONY: setup model stage0 stage1 stage2 stage3 stage4 stage5 test tools lint format clean
 
 ## setup: create .venv, install the project with its build and dev extras, build the model if missing
 setup: $(VENV)/.installed $(MODEL_DIR)/manifest.json
@@ -35,16 +35,20 @@ stage0: setup
 stage1 stage2 stage3 stage4 stage5: setup
 	$(PY) -m common.serve $@
 
-## browser: Debian's Chromium for the dashboard test (Playwright drives it; nothing is downloaded)
-browser:
-	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+# The programs the tests and the measuring kit run, each from Debian's package of the same name
+# (nothing is downloaded). `make tools` installs the ones this machine lacks, in one apt-get call;
+# tests/test_tools.py checks that every program a test or the kit starts is in this list.
+TOOLS := chromium prometheus wrk redis-server
+PACKAGES_chromium := chromium fonts-liberation
+MISSING_PACKAGES = $(foreach tool,$(TOOLS),$(if $(shell command -v $(tool)),,$(or $(PACKAGES_$(tool)),$(tool))))
 
-## wrk: Debian's wrk, the C load generator of bench-layers and bench-flood (loadtests/wrk.py)
-wrk:
-	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk >/dev/null)
+## tools: Debian's chromium, prometheus (with promtool), wrk and redis-server, where missing
+tools:
+	$(if $(strip $(MISSING_PACKAGES)),apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends $(strip $(MISSING_PACKAGES)) >/dev/null,@true)
 
 ## test: the whole suite against the real model, real sockets, real Redis, real browser
-test: setup browser prometheus
+test: setup tools
 	$(PY) -m pytest
 
 lint: $(VENV)/.installed
@@ -69,11 +73,11 @@ PROFILE ?= unique-32
 DURATION ?= 30
 EVIDENCE = $(if $(QUICK),--quick) $(if $(RECORD),--record) $(if $(ALLOW_DIRTY),--allow-dirty)
 .PHONY: results loadtest loadtest-headless loadtest-screenshots compare bench bench-stage0 bench-stage2 \
-	bench-stage3 bench-stage3-refinements bench-stage4 bench-stage5 stage5-overhead bench-layers bench-flood bench-windows bench-request-path wrk before-after \
+	bench-stage3 bench-stage3-refinements bench-stage4 bench-stage5 stage5-overhead bench-layers bench-flood bench-windows bench-request-path before-after \
 	dashboard-screenshot quant-study settings-doc evidence-check docs-outputs bench-cost-model
 
 ## results: every results file, table and plot the docs include, in order (QUICK=1: briefly, into out/)
-results: setup browser wrk
+results: setup tools
 	$(PY) -m benchmarks.results $(EVIDENCE) $(if $(ONLY),--only $(ONLY)) $(if $(FROM),--from $(FROM))
 
 ## evidence-check: is docs/results/ current (stamped, clean, today's defaults), and is every prose number in it
@@ -89,7 +93,7 @@ loadtest-headless: setup
 	$(PY) -m loadtests.run --stage $(STAGE) --headless --profile $(PROFILE) --duration $(DURATION) $(ARGS)
 
 ## loadtest-screenshots: pictures of Locust's web UI against stage STAGE (Chromium; 1-2 min)
-loadtest-screenshots: setup browser
+loadtest-screenshots: setup tools
 	$(PY) -m loadtests.ui_screenshot --stage $(STAGE) $(EVIDENCE) $(ARGS)
 
 ## compare: every stage under the same Locust profiles, then the engine ceiling (~45 min; QUICK=1 ~6 min)
@@ -131,7 +135,7 @@ bench-stage5 stage5-overhead: setup
 	$(PY) -m benchmarks.stage5_middleware $(EVIDENCE)
 
 ## dashboard-screenshot: the stage 5 dashboard after a minute of traffic (Chromium; QUICK=1: 10 s)
-dashboard-screenshot: setup browser
+dashboard-screenshot: setup tools
 	$(PY) -m benchmarks.stage5_screenshot $(EVIDENCE) $(ARGS)
 
 ## before-after: the stages of BEFORE (default: before the layout) and of this checkout, in turns (~45 min)
@@ -139,23 +143,23 @@ before-after: setup
 	$(PY) -m benchmarks.before_after $(EVIDENCE) $(if $(BEFORE),--before $(BEFORE)) $(ARGS)
 
 ## bench-layers: stages 2 to 5 in turns on all-unique texts, the engine as yardstick (~14 min; QUICK=1 ~1 min)
-bench-layers: setup wrk
+bench-layers: setup tools
 	$(PY) -m benchmarks.layers $(EVIDENCE) $(ARGS)
 
 ## bench-request-path: a lone request's Python calls on each stage's event loop, by where they are, and stage 5's by layer (~6 min; QUICK=1 ~2 min)
-bench-request-path: setup wrk
+bench-request-path: setup tools
 	$(PY) -m benchmarks.request_path $(EVIDENCE) $(ARGS)
 
 ## bench-windows: stage 3's load-tier windows swept at 8, 32 and 128 connections (~8 min; QUICK=1 ~1 min)
-bench-windows: setup wrk
+bench-windows: setup tools
 	$(PY) -m benchmarks.windows $(EVIDENCE) $(ARGS)
 
 ## bench-flood: stage 5 under a 200-client flood, polite and impolite clients, by SHED_DELAY_MS (~6 min)
-bench-flood: setup wrk
+bench-flood: setup tools
 	$(PY) -m benchmarks.flood $(EVIDENCE) $(ARGS)
 
 ## bench-cost-model: the cost model's constants and its prediction for every stage (~2 min; QUICK=1 ~30 s)
-bench-cost-model: setup wrk
+bench-cost-model: setup tools
 	$(PY) -m benchmarks.cost_model $(EVIDENCE) $(ARGS)
 
 ## docs-outputs: what the commands in the chapters print, captured against fresh servers (~2 min)
@@ -222,7 +226,7 @@ exercise: setup
 		$(if $(EXERCISE_ONLY_$(STAGE)),-k "$(EXERCISE_ONLY_$(STAGE))") $(ARGS)
 
 # --- beyond one machine: Ray Serve across nodes, the image, the fleet (docs/beyond.md) ----------
-.PHONY: cluster cluster-down cluster-status prometheus bench-cluster
+.PHONY: cluster cluster-down cluster-status bench-cluster
 
 # Ray is an optional extra: only these targets (and the cluster tests) install it.
 $(VENV)/.cluster: pyproject.toml | $(VENV)/.installed
@@ -244,8 +248,3 @@ cluster-status:
 ## bench-cluster: the cluster (1 and 2 replicas) against plain stage 5: capacity, CPU a request, a flood (~6 min)
 bench-cluster: setup $(VENV)/.cluster
 	$(PY) -m benchmarks.beyond $(EVIDENCE) $(ARGS)
-
-## prometheus: Debian's Prometheus and promtool, for the scrape test of every replica (nothing is downloaded)
-prometheus:
-	@command -v prometheus >/dev/null || (apt-get update -qq && \
-		apt-get install -y -qq --no-install-recommends prometheus >/dev/null)

@@ -81,7 +81,7 @@ def _wrk(server: Any, clients: int, seconds: float, seed: int) -> dict[str, Any]
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     if not wrk.available():
-        raise SystemExit("wrk is missing: `make wrk` installs Debian's package")
+        raise SystemExit("wrk is missing: `make tools` installs Debian's package")
     logs = evidence.OUT / "logs" / "flood"
     points: list[dict[str, Any]] = []
     for round_ in range(args.rounds):

@@ -6,7 +6,7 @@
 
 It starts stage 5 as ``make stage5`` does, sends closed-loop traffic for ``--warm`` seconds
 (sentences, 1 to 6 a request, about a third of them repeats: cache hits), opens ``/dashboard``
-in Debian's Chromium (Playwright; ``make browser``) while the traffic goes on, and saves the
+in Debian's Chromium (Playwright; ``make tools``) while the traffic goes on, and saves the
 page once it has drawn a fresh answer. A picture taken seconds after the start shows empty
 charts and savings that mean nothing yet; this one shows a server that has been busy a while.
 ``tests/test_stage5_dashboard.py`` drives the page with the same traffic.

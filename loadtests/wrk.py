@@ -6,7 +6,7 @@ small fraction of that, so the server's own ceiling shows. Each connection sends
 the moment an answer arrives, 200 or 503 alike: what a naive client or a load test does.
 
 Bodies come from a file, one JSON body per line, cycled through by a small Lua script.
-``make wrk`` installs Debian's package when it is missing.
+``make tools`` installs Debian's package when it is missing.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def run(
     ``seconds`` is rounded up to whole seconds (what wrk takes)."""
     seconds = max(1, math.ceil(seconds))
     if not available():
-        raise SystemExit("wrk is missing: `make wrk` installs Debian's package")
+        raise SystemExit("wrk is missing: `make tools` installs Debian's package")
     with tempfile.TemporaryDirectory() as tmp:
         file, script = Path(tmp) / "bodies.jsonl", Path(tmp) / "bodies.lua"
         file.write_bytes(b"\n".join(bodies))

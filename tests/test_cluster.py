@@ -28,7 +28,7 @@ import httpx
 import orjson
 import pytest
 from fresh import fresh_texts
-from prometheus_support import prometheus_log, running_prometheus
+from prometheus_support import prometheus_log, query, running_prometheus
 from redis_support import any_redis
 
 # The contract suite, collected again in this module: its tests use the `server` fixture below.
@@ -171,19 +171,15 @@ def test_prometheus_scrapes_every_replica_with_the_shipped_config(cluster: Clust
     )
     config = config.replace("../../stage5_metrics/", f"{REPO}/stage5_metrics/")
     (tmp_path / "prometheus.yml").write_text(config)
-    with running_prometheus(tmp_path / "prometheus.yml") as query:
+    with running_prometheus(tmp_path / "prometheus.yml") as api:
         deadline = time.monotonic() + 60
         replicas: set[str] = set()
         while time.monotonic() < deadline and len(replicas) < 2:
             time.sleep(1)
-            try:
-                result = httpx.get(query, params={"query": "embedserve_requests_total"}).json()
-            except httpx.TransportError:
-                continue
-            replicas = {r["metric"]["replica"] for r in result.get("data", {}).get("result", [])}
+            replicas = {r["metric"]["replica"] for r in query(api, "embedserve_requests_total")}
         assert len(replicas) == 2, f"Prometheus saw {replicas}\n{prometheus_log(tmp_path / 'prometheus.yml')}"
         # The recording rules of one server work across the fleet: one rate per route and status.
-        up = httpx.get(query, params={"query": 'up{job="embedserve-replicas"}'}).json()["data"]["result"]
+        up = query(api, 'up{job="embedserve-replicas"}')
         assert [r["value"][1] for r in up] == ["1", "1"]
 
 

@@ -29,7 +29,7 @@ import jsonschema
 import pytest
 import yaml
 from conftest import Server
-from prometheus_support import prometheus_log, running_prometheus
+from prometheus_support import prometheus_log, query, running_prometheus
 
 from common.serve import resolve
 from loadtests.procs import free_port, server_command
@@ -169,7 +169,7 @@ def test_compose_mounts_and_builds_files_that_exist() -> None:
 
 def test_compose_prometheus_config_passes_promtool(tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
-    assert promtool is not None, "promtool is missing: `make prometheus` (Debian's package)"
+    assert promtool is not None, "promtool is missing: `make tools` (Debian's package)"
     shutil.copy(DOCKER / "prometheus.yml", tmp_path / "prometheus.yml")
     shutil.copy(REPO / "stage5_metrics" / "prometheus" / "rules.yml", tmp_path / "rules.yml")  # as mounted
     done = subprocess.run(
@@ -202,13 +202,10 @@ def test_every_dashboard_query_runs_on_a_real_prometheus_scraping_stage5(
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     with running_prometheus(tmp_path / "prometheus.yml") as api:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # two scrapes, so rate() has two samples
-            try:
-                got = httpx.get(api, params={"query": "count_over_time(up[1m])"}).json()["data"]["result"]
-                if got and float(got[0]["value"][1]) >= 3:
-                    break
-            except httpx.TransportError:
-                pass
+        while time.monotonic() < deadline:  # three scrapes, so rate() has two samples
+            got = query(api, "count_over_time(up[1m])")
+            if got and float(got[0]["value"][1]) >= 3:
+                break
             time.sleep(0.5)
         else:
             pytest.fail(prometheus_log(tmp_path / "prometheus.yml"))

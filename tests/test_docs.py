@@ -142,7 +142,7 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 
 def _tables_fit(site: Path) -> None:
-    """No table on the built site scrolls sideways at 1400 px (Chromium; `make browser`)."""
+    """No table on the built site scrolls sideways at 1400 px (Chromium; `make tools`)."""
     from playwright.sync_api import sync_playwright
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(site)))

@@ -1,4 +1,4 @@
-"""The live dashboard in a real headless Chromium (Debian's, driven by Playwright; `make browser`).
+"""The live dashboard in a real headless Chromium (Debian's, driven by Playwright; `make tools`).
 
 The page draws its charts (uPlot, served by the server) from the first answer, fills them as
 traffic arrives, draws a pause in traffic as zero, leaves no hole in its grid and wraps no
@@ -33,7 +33,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    assert Path(CHROMIUM).exists() or shutil.which("chromium"), "Chromium is missing: run `make browser`"
+    assert Path(CHROMIUM).exists() or shutil.which("chromium"), "Chromium is missing: run `make tools`"
     with sync_playwright() as p:
         chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield chromium
