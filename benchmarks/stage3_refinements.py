@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -35,22 +36,23 @@ from loadtests import evidence
 from loadtests.tables import num, page, table
 from stage0_script import corpus
 from stage3_batching.batcher import Batcher
-from stage3_batching.buckets import LengthBuckets
-from stage3_batching.grouping import GroupByLength
-from stage3_batching.isolation import IsolateFailures
-from stage3_batching.tiers import LoadTiers
+from stage3_batching.refined import RefinedBatcher
 
-CHAPTER_ORDER = (LoadTiers, GroupByLength, LengthBuckets, IsolateFailures)
-NAMES = {LoadTiers: "load tiers", GroupByLength: "length grouping", LengthBuckets: "length buckets",
-         IsolateFailures: "failure isolation"}  # fmt: skip
+# RefinedBatcher's switch for each refinement, and the name the results file has always used
+CHAPTER_ORDER = ("tiers", "grouping", "buckets", "isolation")
+NAMES = {"tiers": "load tiers", "grouping": "length grouping", "buckets": "length buckets",
+         "isolation": "failure isolation"}  # fmt: skip
+CLASS_NAMES = {"tiers": "LoadTiers", "grouping": "GroupByLength", "buckets": "LengthBuckets",
+               "isolation": "IsolateFailures"}  # fmt: skip
 BAD_ID = 10**9  # a token id no tokenizer makes: the stand-in model raises on it
 BAD_TEXT = 100  # which text of the burst is the bad one
 DIM = 384
 
 
-def compose(*refinements: type[Batcher]) -> type[Batcher]:
+def compose(*refinements: str) -> Callable[..., Batcher]:
     """The textbook batcher with ``refinements`` (in the order the chapter adds them)."""
-    return type("Batcher", (*reversed(refinements), Batcher), {}) if refinements else Batcher
+    switches = {name: name in refinements for name in (*CHAPTER_ORDER, "busy_slots")}
+    return partial(RefinedBatcher, **switches) if refinements else Batcher
 
 
 def _model(ids: list[np.ndarray]) -> np.ndarray:
@@ -59,7 +61,9 @@ def _model(ids: list[np.ndarray]) -> np.ndarray:
     return np.zeros((len(ids), DIM), np.float32)
 
 
-async def _burst(kind: type[Batcher], tokens: list[TokenizedText], settings: Settings) -> dict[str, Any]:
+async def _burst(
+    kind: Callable[..., Batcher], tokens: list[TokenizedText], settings: Settings
+) -> dict[str, Any]:
     batcher = kind(_model, settings)
     await batcher.start()
     outcomes = await asyncio.gather(*(batcher.submit([t]) for t in tokens), return_exceptions=True)
@@ -75,7 +79,7 @@ async def _burst(kind: type[Batcher], tokens: list[TokenizedText], settings: Set
     }
 
 
-async def _lone(kind: type[Batcher], tokens: list[TokenizedText], settings: Settings) -> float:
+async def _lone(kind: Callable[..., Batcher], tokens: list[TokenizedText], settings: Settings) -> float:
     batcher = kind(_model, settings.model_copy(update={"batch_window_ms": 5.0}))
     await batcher.start()
     waits = [(await batcher.submit([t])).queue_ms for t in tokens[:20]]
@@ -100,7 +104,7 @@ async def measure(n: int = 256) -> dict[str, Any]:
         failed = await _burst(kind, bad, settings)
         rows.append({
             "batcher": name,
-            "refinements": [r.__name__ for r in refinements],
+            "refinements": [CLASS_NAMES[r] for r in refinements],
             "burst": burst,
             "bad_text": {"failed_callers": failed["failed_callers"], "model_calls": failed["model_calls"]},
             "lone_wait_ms": await _lone(kind, tokens, settings),

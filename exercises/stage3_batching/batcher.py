@@ -7,50 +7,46 @@ MAX_BATCH_TOKENS, runs them in an executor thread and hands each caller its own 
 model raises, every caller of that batch gets the error. Chapter: docs/stage3.md, "The textbook
 batcher" (the refinements after it are not part of this exercise).
 
-Write the five methods marked TODO, in this order: ``submit``, ``_wait_for_batch``, ``_take``,
+Write the five methods below, in this order: ``submit``, ``_wait_for_batch``, ``_take``,
 ``_run_rows`` (the model thread: one call, its errors kept by row) and ``_run_batch`` (the
-fan-out). The rest is given: the loop that hands batches to the model slots, here; the
-state, starting and closing, the hooks and the counters, in ``stage3_batching/base.py``, which
-this class extends (read its ``__init__`` for the fields you use). What a caller leaves in the
-queue is in ``stage3_batching/pending.py``: read ``PendingRequest`` (``deliver``, ``fail``,
-``expire``) and ``QueuedText`` first.
+fan-out). Everything else is given, inherited from the stage's own ``Batcher`` in
+``stage3_batching/batcher.py``, so it is the code the server runs: read that file down to the
+class first (``PendingRequest``, ``QueuedText``, ``Computed``, ``fits``), then its ``__init__``
+(the fields you use), ``_loop`` (which calls your methods), ``_gone``, ``_expire``, ``_timed``,
+``_record`` and ``_report``. Do not read the bodies of the five methods there: they are the
+solution.
 
 Check your work (stage 3's own batcher tests, those of the textbook batcher, run against this class):
 
     make exercise STAGE=3
 
-``make exercise STAGE=3 SOLUTION=1`` runs the same tests against ``stage3_batching/batcher.py``,
-one solution (the server runs it with the refinements of the chapter: ``stage3_batching/app.py``).
+The first test goes through the whole path once and names the first method still to write.
+``make exercise STAGE=3 SOLUTION=1`` runs the same tests against the stage's ``Batcher``.
 
 Hints:
 - Never block the event loop: no ``time.sleep``, no model call outside the executor.
 - ``asyncio.Event`` wakes the loop; ``loop.call_later(seconds, event.set)`` is a timer you can cancel.
 - A caller's future is created with ``asyncio.get_running_loop().create_future()``; a cancelled
-  caller's future is done, so ``_still_wanted`` drops its texts before the model.
+  caller's future is done, so ``_gone`` drops its texts before the model.
 - The queue is a ``deque`` in arrival order: take from the left (``popleft``), look at ``[0]``.
 - ``fits(n, longest, settings)`` says whether n texts padded to ``longest`` tokens fit one batch.
-- A test that fails with ``TimeoutError`` in ``hold_model`` or ``wait_entered`` means no batch
-  reached the model: the error that stopped it is under "Captured log call" in the test's report.
+- An error your methods raise reaches the test's request (the loop hands it to every caller
+  queued); its traceback is under "Captured log call" in the test's report.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from common.engine import TokenizedText
 from common.limits import APIError
-from stage3_batching.base import BatcherBase, fits  # noqa: F401 (you call fits in _take)
-from stage3_batching.pending import BatchOutcome, Computed, QueuedText
-
-log = logging.getLogger("embedserve.batcher")
+from stage3_batching import batcher as stage
+from stage3_batching.batcher import BatchOutcome, Computed, QueuedText
 
 
-class Batcher(BatcherBase):
+class Batcher(stage.Batcher):
     async def submit(self, tokens: Sequence[TokenizedText], *, deadline: float | None = None) -> BatchOutcome:
         """Queue the texts, wait for all their vectors (in order).
 
@@ -60,48 +56,18 @@ class Batcher(BatcherBase):
            deadline), and one ``QueuedText`` per text at the end of ``self._queue`` (its index in
            the caller's list, its ``ids`` and ``n_tokens``).
         3. A deadline (``time.monotonic()``, the event loop's clock): at that moment call
-           ``self._expire(req)``; keep the timer in ``req.timer``.
+           ``self._expire(req)`` (``loop.call_later``).
         4. Wake the loop (``self._wakeup``) when it waits for a first text (``self._idle``) or
            when a full batch (MAX_BATCH_SIZE texts) is queued.
-        5. Await the future; however that ends, cancel ``req.timer``.
+        5. Await the future; however that ends, cancel the deadline's timer.
         """
         if self._closing or self._task is None or self._task.done():
             raise APIError(503, "the batcher is not running", headers={"Retry-After": "1"})
         raise NotImplementedError("TODO: submit: queue the texts with one future and await it")
 
-    # --- given: the loop that hands batches to the model slots (the rest is in base.py) -------
-    async def _loop(self, slots: asyncio.Semaphore) -> None:
-        running: set[asyncio.Task[None]] = set()
-        while True:
-            await slots.acquire()  # a free model slot first; meanwhile the queue fills
-            try:
-                tier = await self._wait_for_batch()
-                if tier is None:  # closing, and nothing is left: let the running batches finish
-                    await asyncio.gather(*running)
-                    return
-                batch = self._take()
-            except Exception as exc:
-                # A bug in _wait_for_batch or _take. The stage's loop keeps serving; here it
-                # stops and hands the error to every caller queued, so a test shows it at once.
-                log.exception("the batcher's loop stopped on an error in _wait_for_batch or _take")
-                for text in self._drain():
-                    text.req.fail(exc)
-                return
-            if not batch:  # every caller in it was gone
-                slots.release()
-                await asyncio.sleep(0)
-                continue
-            for text in batch:
-                text.req.taken += 1  # in a batch now: a deadline no longer stops it
-            self._in_flight += 1
-            self._in_flight_texts += len(batch)
-            task = asyncio.create_task(self._run_in_slot(batch, tier, slots))
-            running.add(task)
-            task.add_done_callback(running.discard)
-
-    # --- to write: waiting, taking, running --------------------------------------------------
     async def _wait_for_batch(self) -> str | None:
         """Wait for a first text, then up to the window for a full batch; return the batch's tier.
+        None: closing, and the queue is empty.
 
         TODO:
         1. While the queue is empty: if closing, return None (the loop then stops); otherwise say
@@ -117,29 +83,20 @@ class Batcher(BatcherBase):
         """
         raise NotImplementedError("TODO: _wait_for_batch: a first text, then the window")
 
-    def _take(self) -> list[QueuedText]:
-        """The next batch: the oldest texts that fit MAX_BATCH_SIZE and MAX_BATCH_TOKENS.
+    def _take(self, limit: int = 0) -> list[QueuedText]:
+        """The next batch: the oldest texts that fit MAX_BATCH_SIZE (or ``limit``) and MAX_BATCH_TOKENS.
 
-        TODO: take texts from the front of the queue while the batch has fewer than
-        ``self.batch_limit()``. A text whose caller is gone (``not self._still_wanted(text)``)
-        is removed and skipped. Stop before a text that would make the batch not ``fits`` (every
-        row is padded to the longest one), but the first text always goes, even alone over
-        MAX_BATCH_TOKENS: otherwise it could never run.
+        TODO: take texts from the front of the queue while the batch has fewer than ``limit`` (0:
+        MAX_BATCH_SIZE). A text whose caller is gone (``self._gone(text)``) is removed and
+        skipped. Stop before a text that would make the batch not ``fits`` (every row is padded
+        to the longest one), but the first text always goes, even alone over MAX_BATCH_TOKENS:
+        otherwise it could never run. A request's texts stay together while they fit: past
+        ``limit``, still take the texts of the request the last one belongs to.
         """
         raise NotImplementedError("TODO: _take: the oldest texts that fit the batch")
 
-    def _still_wanted(self, text: QueuedText) -> bool:
-        """Given: False for a text whose caller is gone (cancelled, past its deadline, failed)."""
-        req = text.req
-        if req.deadline is not None and time.monotonic() > req.deadline:
-            req.expire()
-        if req.future.done():
-            self.stats.skipped_texts += 1
-            return False
-        return True
-
     async def _run_batch(self, batch: list[QueuedText], tier: str) -> None:
-        """Run the batch in a model slot and hand each caller its rows.
+        """Run the batch in a model slot's thread, hand each caller its rows, report the batch.
 
         TODO:
         1. ``started = time.perf_counter()``; run ``self._timed(batch)`` in ``self._pool`` (the
@@ -151,14 +108,6 @@ class Batcher(BatcherBase):
         4. ``self._report(record)``.
         """
         raise NotImplementedError("TODO: _run_batch: run the batch, hand each caller its rows")
-
-    # --- the model thread (runs in the executor, never on the event loop) -------------------
-    def _compute(self, batch: list[QueuedText]) -> Computed:
-        """Given: one model call on the whole batch, every row padded to its longest."""
-        ids = [t.ids for t in batch]
-        done = Computed(len(batch), padded_tokens=len(batch) * max(t.n_tokens for t in batch))
-        self._run_rows(ids, list(range(len(batch))), done)
-        return done
 
     def _run_rows(self, ids: list[np.ndarray], rows: list[int], done: Computed) -> None:
         """One model call on these rows of the batch; if it raises, each of them gets the error.
