@@ -207,7 +207,8 @@ reliability: setup
 EXERCISE_TESTS_2 := tests/test_event_loop.py tests/test_contract.py tests/test_equivalence.py
 EXERCISE_STAGE_2 := stage2_threadpool
 # Stage 3: the batcher tests of the textbook Batcher, not those of the refinements (EXERCISE=1: the
-# tests take your Batcher, tests/exercise_pieces.py). EXERCISE_ONLY_N: pytest -k, which of them.
+# tests take your Batcher, tests/exercise_pieces.py). The first sends one request through every
+# method you write and names the first one still to write. EXERCISE_ONLY_N: pytest -k, which of them.
 EXERCISE_TESTS_3 := tests/test_batcher.py
 EXERCISE_ONLY_3 := (textbook or Batcher-False or Batcher-True or False-Batcher) and not Refined and not Isolated
 EXERCISE_STAGE_3 := stage3_batching

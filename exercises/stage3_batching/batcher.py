@@ -7,9 +7,11 @@ MAX_BATCH_TOKENS, runs them in an executor thread and hands each caller its own 
 model raises, every caller of that batch gets the error. Chapter: docs/stage3.md, "The textbook
 batcher" (the refinements after it are not part of this exercise).
 
-Write the five methods below, in this order: ``submit``, ``_wait_for_batch``, ``_take``,
-``_run_rows`` (the model thread: one call, its errors kept by row) and ``_run_batch`` (the
-fan-out). Everything else is given, inherited from the stage's own ``Batcher`` in
+Write the five methods below, in the order a request meets them (and the first test names
+them): ``submit``, ``_wait_for_batch``, ``_take``, ``_run_batch`` (the fan-out) and ``_run_rows``
+(in the model thread: one call, its errors kept by row).
+
+Everything else is given, inherited from the stage's own ``Batcher`` in
 ``stage3_batching/batcher.py``, so it is the code the server runs: read that file down to the
 class first (``PendingRequest``, ``QueuedText``, ``Computed``, ``fits``), then its ``__init__``
 (the fields you use), ``_loop`` (which calls your methods), ``_gone``, ``_expire``, ``_timed``,
