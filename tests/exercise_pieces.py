@@ -2,9 +2,9 @@
 
 ``make exercise STAGE=N`` sets EXERCISE=1 (exercises/README.md). The test modules take the
 pieces a learner writes from here instead of importing them from the stage, so the same tests
-check ``exercises/``. A learner's class has the stage's interface but is not a subclass of the
-stage's. Each function imports only what it returns, so a half-written stage 4 exercise never
-breaks the stage 3 check.
+check ``exercises/``. A learner's class has the stage's interface (stage 4's extend the stage's
+classes and replace the methods to write). Each function imports only what it returns, so a
+half-written stage 4 exercise never breaks the stage 3 check.
 """
 
 from __future__ import annotations
