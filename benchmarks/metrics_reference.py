@@ -14,7 +14,7 @@ from prometheus_client.core import Metric
 
 from loadtests.tables import section, table
 from stage5_metrics.metrics import Metrics
-from stage5_metrics.state import PREFIX, State
+from stage5_metrics.stage_counts import PREFIX, StageCounts
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "stage5_metrics.md"
 
@@ -23,7 +23,7 @@ def _families() -> list[Metric]:
     # A fresh registry: the state of a server whose model has not loaded yet (zeros), the names
     # and labels of every metric; a labelled metric shows its labels once used.
     metrics = Metrics()
-    metrics.state.source = lambda: State(info={"model": "m", "dimensions": "384"})
+    metrics.earlier_stages.source = lambda: StageCounts(info={"model": "m", "dimensions": "384"})
     metrics.observe_request("/v1/embed", 200, 0.01)
     return list(metrics.registry.collect())
 

@@ -18,7 +18,7 @@ import hmac
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from common.limits import error_body
+from common.limits import APIError, error_response
 from common.settings import Settings
 
 _METRICS_PATHS = ("/metrics", "/dashboard")
@@ -77,19 +77,8 @@ class BearerAuth:
         message = (
             "missing API key: send `Authorization: Bearer <key>`" if header is None else "invalid API key"
         )
-        body = error_body(401, message, type="authentication_error")
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b'Bearer realm="embedserve"'),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        challenge = {"WWW-Authenticate": 'Bearer realm="embedserve"'}
+        await error_response(APIError(401, message, headers=challenge))(scope, receive, send)
 
 
 def install_auth(app: FastAPI, settings: Settings) -> None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
-from fastapi import Request
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive
 
 from common.engine import Engine, TokenizedText
 from common.limits import APIError
@@ -34,8 +34,11 @@ class EmbedJob:
     truncate: bool = True  # false: a text over the model's token limit is a 422
     use_cache: bool = True
     deadline: float | None = None  # time.monotonic() after which the answer is useless
-    request: Request | None = None  # for disconnect checks
     param: str = "inputs"  # the body field the texts came from, for error messages
+    # The request's ASGI channel, where a client hanging up arrives (stage 4 drops its work then).
+    receive: Receive | None = None
+    # What a middleware keeps for this request and the backend fills in (stage 5: its log line).
+    log_record: Any = None
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 from starlette.exceptions import HTTPException
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _TYPES = {
@@ -50,6 +51,16 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
+def not_loaded() -> APIError:
+    """A route that needs the backend, asked before the lifespan has made it."""
+    return APIError(503, "the model is not loaded yet", headers={"Retry-After": "1"})
+
+
+def model_failed(exc: Exception) -> APIError:
+    """The model raised on this request's texts: a 500 that names the error, never its text."""
+    return APIError(500, f"the model failed on this request: {type(exc).__name__}")
+
+
 def error_body(status: int, message: str, param: str | None = None, type: str | None = None) -> bytes:
     error: dict[str, Any] = {
         "type": type or _TYPES.get(status, "invalid_request_error"),
@@ -58,6 +69,13 @@ def error_body(status: int, message: str, param: str | None = None, type: str | 
         "code": status,
     }
     return orjson.dumps({"error": error})
+
+
+def error_response(exc: APIError) -> Response:
+    """The error as a JSON response. A Starlette response is an ASGI app too, so a pure ASGI
+    middleware answers with it before any route runs: ``await error_response(exc)(scope, receive, send)``."""
+    body = error_body(exc.status, exc.message, exc.param, exc.type)
+    return Response(body, exc.status, headers=exc.headers, media_type="application/json")
 
 
 class BodyGuard:
@@ -93,18 +111,15 @@ class BodyGuard:
                 try:
                     too_big = int(value) > self.max_bytes
                 except ValueError:
-                    await self._refuse(send, 400, "Content-Length is not a number")
+                    await _refuse(400, "Content-Length is not a number", scope, receive, send)
                     return
                 if too_big:
-                    await self._refuse(send, 413, self._message())
+                    await _refuse(413, self._message(), scope, receive, send)
                     return
             elif name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
                 encoding = value.decode("latin-1")[:40]
-                await self._refuse(
-                    send,
-                    415,
-                    f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed",
-                )
+                message = f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed"
+                await _refuse(415, message, scope, receive, send)
                 return
         received = 0
         body_done = False
@@ -137,26 +152,15 @@ class BodyGuard:
             await self.app(scope, guarded_receive, tracking_send)
         except (_TooLarge, _TooSlow) as exc:
             if not response_started:
-                await self._refuse(send, exc.status_code, exc.detail)
+                await _refuse(exc.status_code, exc.detail, scope, receive, send)
 
     def _message(self) -> str:
         return f"request body is larger than MAX_BODY_BYTES ({self.max_bytes} bytes)"
 
-    @staticmethod
-    async def _refuse(send: Send, status: int, message: str) -> None:
-        body = error_body(status, message)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+
+async def _refuse(status: int, message: str, scope: Scope, receive: Receive, send: Send) -> None:
+    # The connection closes after it: the rest of the body, unread, must not be taken for a request.
+    await error_response(APIError(status, message, headers={"Connection": "close"}))(scope, receive, send)
 
 
 class _TooLarge(HTTPException):

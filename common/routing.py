@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from common.limits import APIError, error_body
+from common.limits import APIError, error_body, error_response
 from common.schemas import ErrorResponse
 from common.settings import Settings
 
@@ -34,11 +34,6 @@ def json_response(payload: Any, status: int = 200, headers: dict[str, str] | Non
     """orjson with numpy support: 384 floats per vector is the hot path of every answer."""
     body = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
     return Response(body, status_code=status, headers=headers, media_type=JSON)
-
-
-def error_response(exc: APIError) -> Response:
-    body = error_body(exc.status, exc.message, exc.param, exc.type)
-    return Response(body, exc.status, headers=exc.headers, media_type=JSON)
 
 
 # --8<-- [start:read_body]

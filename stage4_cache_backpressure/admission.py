@@ -37,11 +37,12 @@ class Admission:
         # A request larger than the whole queue still goes when the queue is empty,
         # otherwise it could never be served.
         if depth + n > self.max_queue and depth > 0:
-            raise APIError(
-                self.status,
-                f"server overloaded: {depth} texts queued, MAX_QUEUE={self.max_queue}; retry later",
-                headers={"Retry-After": str(self.retry_after(depth + n))},
-            )
+            raise self.overloaded(depth, n)
+
+    def overloaded(self, depth: int, n: int) -> APIError:
+        """The refusal of ``n`` texts with ``depth`` queued: 503 (or 429), with ``Retry-After``."""
+        message = f"server overloaded: {depth} texts queued, MAX_QUEUE={self.max_queue}; retry later"
+        return APIError(self.status, message, headers={"Retry-After": str(self.retry_after(depth + n))})
 
     def retry_after(self, texts: int) -> int:
         """Whole seconds (what HTTP allows) until ``texts`` queued texts should have drained."""

@@ -33,20 +33,20 @@ from fastapi.responses import Response
 
 from common.api import EmbedJob, EmbedResult, create_app, json_response, tokenize
 from common.engine import Engine, TokenizedText
-from common.limits import APIError
+from common.limits import APIError, model_failed, not_loaded
 from common.settings import Settings
 from stage3_batching.app import BatchingBackend, add_batcher_routes
 from stage3_batching.batcher import BatchOutcome, BatchRecord
 from stage4_cache_backpressure.admission import Admission
-from stage4_cache_backpressure.answer import Answer
 from stage4_cache_backpressure.cache import Cache, CacheEntry, cache_key
 from stage4_cache_backpressure.disconnect import unless_client_leaves
 from stage4_cache_backpressure.drain import chain_signal_handlers
+from stage4_cache_backpressure.partial_result import PartialResult
 from stage4_cache_backpressure.shed import ShedWhenFull
 from stage4_cache_backpressure.singleflight import LeaderGone, SingleFlight
 from stage4_cache_backpressure.stats import Stage4Stats
 
-__all__ = ["CacheBackend", "Stage4Stats", "add_cache_routes", "app"]
+__all__ = ["CacheBackend", "DrainingBackendFactory", "Stage4Stats", "add_cache_routes", "app", "build_app"]
 log = logging.getLogger("embedserve.stage4")
 Flight = asyncio.Future[CacheEntry]
 
@@ -119,16 +119,16 @@ class CacheBackend(BatchingBackend):
         """The five steps of the module docstring, in order."""
         if not (job.use_cache and self.cache.enabled):
             return await self._embed_uncached(job)
-        answer, keys = Answer(self.engine, job), self._keys(job)
+        partial, keys = PartialResult(self.engine, job), self._keys(job)
         # 1. memory tier: no await, no tokenizer (the entry holds the token count)
-        todo = answer.fill(range(len(keys)), self.cache.get_local(keys))
+        todo = partial.fill(range(len(keys)), self.cache.get_local(keys))
         # 2. single-flight: a text another request is computing is waited for, not queued again
         flights = [(row, self.flights.join(keys[row])) for row in todo]
         lead = [row for row, flight in flights if flight is None]  # nobody computes it: we do
         follow = [(row, flight) for row, flight in flights if flight is not None]
         with self.flights.leading([keys[row] for row in lead], handover=_handover):
             # 3. Redis tier, looked up once for this request and for every follower
-            todo = answer.fill(lead, await self._from_redis(keys, lead))
+            todo = partial.fill(lead, await self._from_redis(keys, lead))
             if todo:
                 # 4. admission: past the deadline already, 504; the queue full, 503 (or 429) now,
                 # before the tokenizer runs: a refusal should cost as little as possible
@@ -138,11 +138,11 @@ class CacheBackend(BatchingBackend):
                 # are tokenized
                 tokens = await tokenize(self.engine, job, todo)
                 outcome = await self._submit(tokens, job)
-                await self._remember([keys[row] for row in todo], answer.computed(todo, tokens, outcome))
+                await self._remember([keys[row] for row in todo], partial.computed(todo, tokens, outcome))
         for row, flight in follow:
-            answer.take(row, await self._follow(job, row, flight))
+            partial.take(row, await self._follow(job, row, flight))
         self.stats.deduplicated += len(follow)
-        return answer.result()
+        return partial.result()
 
     # --8<-- [end:embed]
 
@@ -165,13 +165,13 @@ class CacheBackend(BatchingBackend):
         self.admission.check(len(tokens))  # again: a long input was tokenized in a thread meanwhile
         work = self.batcher.submit(tokens, deadline=job.deadline)
         try:
-            if job.request is None:
+            if job.receive is None:
                 return await work
-            return await unless_client_leaves(work, job.request)  # NEW: hang up, drop the work
+            return await unless_client_leaves(work, job.receive)  # NEW: hang up, drop the work
         except APIError:
             raise
         except Exception as exc:  # the model raised for this request's texts
-            raise APIError(500, f"the model failed on this request: {type(exc).__name__}") from exc
+            raise model_failed(exc) from exc
 
     async def _remember(self, keys: list[str], entries: list[CacheEntry]) -> None:
         """Memory first, then the followers (so no request misses both), then Redis."""
@@ -193,8 +193,8 @@ class CacheBackend(BatchingBackend):
     async def _retry_alone(self, job: EmbedJob, row: int) -> CacheEntry:
         """The leader stopped for a reason of its own (``_handover``); this request may still be
         fine, so its text goes through the steps again, alone. ``truncate`` is checked by the
-        caller at the text's own row (``Answer.take``), so the retry may truncate."""
-        alone = dataclasses.replace(job, texts=[job.texts[row]], truncate=True, request=None)
+        caller at the text's own row (``PartialResult.take``), so the retry may truncate."""
+        alone = dataclasses.replace(job, texts=[job.texts[row]], truncate=True, receive=None)
         result = await self._embed(alone)
         return CacheEntry(result.vectors[0], result.n_tokens[0], result.truncated[0])
 
@@ -203,14 +203,14 @@ class CacheBackend(BatchingBackend):
         The fresh answer still refreshes the cache."""
         if not job.use_cache:
             self.stats.bypassed += 1  # the client's choice is counted, CACHE_ENABLED=false is not
-        answer, rows = Answer(self.engine, job), list(range(len(job.texts)))
+        partial, rows = PartialResult(self.engine, job), list(range(len(job.texts)))
         _check_deadline(job)
         self.admission.check(len(rows))
         tokens = await tokenize(self.engine, job)
-        entries = answer.computed(rows, tokens, await self._submit(tokens, job))
+        entries = partial.computed(rows, tokens, await self._submit(tokens, job))
         if self.cache.enabled:
             await self.cache.put(self._keys(job), entries)
-        return answer.result(bypassed=True)
+        return partial.result(bypassed=True)
 
     # --8<-- [end:steps]
 
@@ -230,23 +230,14 @@ def _handover(exc: BaseException) -> BaseException:
     return LeaderGone() if own else exc
 
 
-def _log_to_stderr(level: str) -> None:
-    """Show this stage's drain and cache messages (stage 5 replaces this with structured logs)."""
-    root = logging.getLogger("embedserve")
-    if not root.handlers:
+def _stage4_backend(engine: Engine, settings: Settings, on_drain: Callable[[], None]) -> CacheBackend:
+    root = logging.getLogger("embedserve")  # this stage's drain and cache messages on stderr
+    if not root.handlers:  # (stage 5 replaces this with structured logs)
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
         root.addHandler(handler)
-        root.setLevel(level)
-
-
-def make_backend(engine: Engine, settings: Settings) -> CacheBackend:
-    _log_to_stderr(settings.log_level)
-
-    def stop_ready() -> None:
-        app.state.ready = False  # /ready answers 503, new requests get 503
-
-    return CacheBackend(engine, settings, on_drain=stop_ready, drain_on_signal=True)
+        root.setLevel(settings.log_level)
+    return CacheBackend(engine, settings, on_drain=on_drain, drain_on_signal=True)
 
 
 # --8<-- [start:routes]
@@ -256,7 +247,7 @@ def add_cache_routes(app: FastAPI) -> None:
         """Cache hits and misses by tier, Redis errors, de-duplicated texts, 503s, 504s, disconnects."""
         backend = getattr(request.app.state, "backend", None)
         if not isinstance(backend, CacheBackend):
-            raise APIError(503, "the model is not loaded yet", headers={"Retry-After": "1"})
+            raise not_loaded()
         return json_response(
             {
                 **backend.stats.as_dict(),
@@ -273,12 +264,35 @@ def add_cache_routes(app: FastAPI) -> None:
 # --8<-- [end:routes]
 
 
-app = create_app(
-    "stage4_cache_backpressure",
-    make_backend,
-    description=__doc__ or "",
-    calls_at_once=lambda s: s.batch_concurrency,
-)
-add_batcher_routes(app)  # NEW: stage 3's routes
-add_cache_routes(app)  # NEW: /v1/cache/metrics
-app.add_middleware(ShedWhenFull, state=app.state)  # NEW: a full queue refuses requests unread
+# The backend from the engine, the settings and what a drain calls first (``stop_ready``).
+DrainingBackendFactory = Callable[[Engine, Settings, Callable[[], None]], CacheBackend]
+
+
+# --8<-- [start:build]
+def build_app(
+    settings: Settings | None = None,
+    make_backend: DrainingBackendFactory = _stage4_backend,
+    title: str = "stage4_cache_backpressure",
+    description: str = __doc__ or "",
+) -> FastAPI:
+    """Stage 4's app around ``make_backend``'s backend; stage 5 builds its app with this one."""
+
+    def stop_ready() -> None:  # the drain's first step: /ready answers 503, new requests get 503
+        app.state.ready = False
+
+    app = create_app(
+        title,
+        lambda engine, s: make_backend(engine, s, stop_ready),
+        settings,
+        description,
+        calls_at_once=lambda s: s.batch_concurrency,
+    )
+    add_batcher_routes(app)  # NEW: stage 3's routes
+    add_cache_routes(app)  # NEW: /v1/cache/metrics
+    app.add_middleware(ShedWhenFull)  # NEW: a full queue refuses requests unread
+    return app
+
+
+# --8<-- [end:build]
+
+app = build_app()

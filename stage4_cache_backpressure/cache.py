@@ -114,7 +114,7 @@ class MemoryCache:
         return value
 
     def put(self, key: str, value: bytes) -> None:
-        size = _size(key, value)
+        size = entry_size(key, value)
         if not self.enabled or size > self.max_bytes:
             return
         if key in self._data:
@@ -127,10 +127,11 @@ class MemoryCache:
 
     def _drop(self, key: str) -> None:
         _, value = self._data.pop(key)
-        self.bytes -= _size(key, value)
+        self.bytes -= entry_size(key, value)
 
 
-def _size(key: str, value: bytes) -> int:
+def entry_size(key: str, value: bytes) -> int:
+    """What one entry counts against the byte bound: key, value and the bookkeeping around them."""
     return len(key) + len(value) + ENTRY_OVERHEAD_BYTES
 
 

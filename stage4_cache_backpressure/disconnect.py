@@ -1,8 +1,8 @@
 """A client that hangs up stops its request's work: its queued texts never reach the model.
 
 The body has been read by the time the backend runs, so the only message left on the ASGI
-``receive`` channel is ``http.disconnect``. The work races against it; whichever ends first
-decides, and cancelling the work skips its texts in the batcher's queue.
+``receive`` channel is ``http.disconnect``. The work races against it in two plain tasks;
+whichever ends first decides, and cancelling the work skips its texts in the batcher's queue.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from fastapi import Request
+from starlette.types import Receive
 
 from common.limits import APIError
 
@@ -19,40 +19,23 @@ T = TypeVar("T")
 
 
 # --8<-- [start:disconnect]
-async def unless_client_leaves(work: Coroutine[Any, Any, T], request: Request) -> T:
-    """Run ``work`` unless the client hangs up first: then cancel it and raise a 499.
-
-    The work runs in the caller's own task; one small task listens for the disconnect and, if
-    it comes first, cancels the caller's task (an ``asyncio.wait`` over two new tasks costs
-    about twice as much per request, on every request, for an event that is rare).
-    """
-    me = asyncio.current_task()
-    assert me is not None
-    watching = True
-
-    def hang_up(gone: asyncio.Future[None]) -> None:
-        if watching and not gone.cancelled():
-            me.cancel()  # its queued texts are skipped by the batcher
-
-    gone = asyncio.ensure_future(_client_gone(request))
-    gone.add_done_callback(hang_up)
+async def unless_client_leaves(work: Coroutine[Any, Any, T], receive: Receive) -> T:
+    """Run ``work`` unless the client hangs up first: then cancel it and raise a 499."""
+    working = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_gone(receive))
     try:
-        return await work
-    except asyncio.CancelledError:
-        if not (gone.done() and not gone.cancelled()):
-            raise  # cancelled for another reason (shutdown): not ours to swallow
-        me.uncancel()
-        raise APIError(499, "client closed the request") from None  # nobody reads this answer
-    finally:
-        watching = False
+        await asyncio.wait({working, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this request is cancelled itself (shutdown): neither task outlives it
         gone.cancel()
+        working.cancel()  # a no-op once it is done; else its queued texts are skipped by the batcher
+    if working.done() and not working.cancelled():
+        return working.result()  # its answer, or the error it raised
+    raise APIError(499, "client closed the request")  # nobody reads this answer
 
 
-async def _client_gone(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+async def _client_gone(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 # --8<-- [end:disconnect]

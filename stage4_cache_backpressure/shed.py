@@ -17,46 +17,33 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from common.limits import error_body
+from common.limits import error_response
 
 EMBED_PATHS = frozenset({"/v1/embed", "/v1/embeddings"})
 
 
 # --8<-- [start:shed]
 class ShedWhenFull:
-    def __init__(self, app: ASGIApp, state: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.state = state  # the app's state: the backend appears there when the model has loaded
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in EMBED_PATHS and scope["method"] == "POST":
-            backend = getattr(self.state, "backend", None)
+            # The backend is on the app's state once the model has loaded (``common.api``'s lifespan).
+            backend = getattr(scope["app"].state, "backend", None)
             if backend is not None and backend.admission.full():
                 started = time.perf_counter()
                 backend.stats.rejected += 1
                 if backend.settings.shed_delay_ms > 0:  # NEW: a client that sends again at once waits
                     await asyncio.sleep(backend.settings.shed_delay_ms / 1e3)
-                await _refuse(send, backend.admission, started)
+                refusal = backend.admission.overloaded(backend.admission.depth(), 1)
+                refusal.headers["x-total-time"] = f"{(time.perf_counter() - started) * 1e3:.2f}"
+                await error_response(refusal)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-async def _refuse(send: Send, admission: Any, started: float) -> None:
-    depth = admission.depth()
-    message = f"server overloaded: {depth} texts queued, MAX_QUEUE={admission.max_queue}; retry later"
-    body = error_body(admission.status, message)
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"retry-after", str(admission.retry_after(depth + 1)).encode()),
-        (b"x-total-time", f"{(time.perf_counter() - started) * 1e3:.2f}".encode()),
-    ]
-    await send({"type": "http.response.start", "status": admission.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 # --8<-- [end:shed]

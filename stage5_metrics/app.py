@@ -3,7 +3,7 @@
 Nothing about how a text is embedded changes; stage 4's backend does all of that. This
 stage only watches, and everything it shows comes from one Prometheus registry:
 
-* ``GET /metrics``: the registry as Prometheus text (``metrics.py``, ``state.py``);
+* ``GET /metrics``: the registry as Prometheus text (``metrics.py``, ``stage_counts.py``);
 * ``GET /v1/metrics`` and ``GET /v1/dashboard``: the last minute and since start, as JSON,
   from a window that samples the registry every second (``window.py``, ``views.py``), with
   the model-seconds saved by the cache and by batching (``savings.py``);
@@ -15,38 +15,43 @@ stage only watches, and everything it shows comes from one Prometheus registry:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from common.api import EmbedJob, EmbedResult, create_app
+from common.api import EmbedJob, EmbedResult
 from common.engine import Engine
 from common.settings import Settings, get_settings
-from stage3_batching.app import add_batcher_routes
 from stage3_batching.batcher import BatchRecord
-from stage4_cache_backpressure.app import CacheBackend, add_cache_routes
-from stage4_cache_backpressure.shed import ShedWhenFull
+from stage4_cache_backpressure import app as stage4
 from stage5_metrics.dashboard import add_dashboard_routes
-from stage5_metrics.logs import configure_logging, flush_logs
+from stage5_metrics.logs import RequestRecord, configure_logging, stop_logging
 from stage5_metrics.metrics import Metrics
 from stage5_metrics.savings import CostModel
-from stage5_metrics.state import State
-from stage5_metrics.telemetry import TelemetryMiddleware, record_of
+from stage5_metrics.stage_counts import StageCounts
+from stage5_metrics.telemetry import TelemetryMiddleware
 from stage5_metrics.window import Window
 
 
 # --8<-- [start:backend]
-class MetricsBackend(CacheBackend):
+class MetricsBackend(stage4.CacheBackend):
     """Stage 4's backend, counting every batch and every request's result in the registry."""
 
-    def __init__(self, engine: Engine, settings: Settings, metrics: Metrics, window: Window, app: FastAPI):
-        def stop_ready() -> None:
-            app.state.ready = False
-
+    def __init__(
+        self,
+        engine: Engine,
+        settings: Settings,
+        metrics: Metrics,
+        window: Window,
+        on_drain: Callable[[], None],
+    ) -> None:
         # NEW: the batcher reports each batch once, after the model call.
-        super().__init__(engine, settings, on_batch=self.on_batch, on_drain=stop_ready, drain_on_signal=True)
+        super().__init__(engine, settings, on_batch=self.on_batch, on_drain=on_drain, drain_on_signal=True)
         self.metrics, self.window = metrics, window
         self.cost: CostModel | None = None  # NEW: the savings baseline, measured at start
-        metrics.state.source = self.state  # NEW: stages 3 and 4's own counts, read when collected
+        # NEW: stages 3 and 4's own counts, read when collected
+        metrics.earlier_stages.source = self.stage_counts
 
     async def start(self) -> None:
         await super().start()
@@ -57,10 +62,10 @@ class MetricsBackend(CacheBackend):
     async def close(self) -> None:
         await super().close()
         await self.window.stop()
-        flush_logs()  # NEW: the last request lines, before a SIGTERM ends the process
+        stop_logging()  # NEW: the last request lines, before a SIGTERM ends the process
 
     async def embed(self, job: EmbedJob) -> EmbedResult:
-        record = record_of(job.request)
+        record = job.log_record if isinstance(job.log_record, RequestRecord) else None
         if record is not None:  # NEW: the text count first, so a 503 or 504 is logged with it too
             record.texts = len(job.texts)
         result = await super().embed(job)
@@ -92,12 +97,12 @@ class MetricsBackend(CacheBackend):
 
     # --8<-- [end:on_batch]
 
-    # --8<-- [start:state]
-    def state(self) -> State:
+    # --8<-- [start:stage_counts]
+    def stage_counts(self) -> StageCounts:
         """What stages 3 and 4 count themselves, as the registry exports it (every name stage 5 reads)."""
         s, depth = self.stats.as_dict(), self.batcher.queue_depth  # s: /v1/cache/metrics' counters
         cache = s["cache"]
-        return State(
+        return StageCounts(
             queue_depth=depth,
             in_flight=self.batcher.in_flight,
             tier=self.batcher.tier(depth),
@@ -119,7 +124,7 @@ class MetricsBackend(CacheBackend):
             info={"model": self.engine.model_name, "dimensions": str(self.engine.dimensions)},
         )
 
-    # --8<-- [end:state]
+    # --8<-- [end:stage_counts]
 
 
 # --8<-- [start:app]
@@ -130,19 +135,10 @@ def build_app(settings: Settings | None = None) -> FastAPI:
     metrics = Metrics()  # NEW: one registry per app, the one counting system
     window = Window(metrics)  # NEW: its values every second, for the JSON views and the page
 
-    def make_backend(engine: Engine, s: Settings) -> MetricsBackend:
-        return MetricsBackend(engine, s, metrics, window, app)
+    def make_backend(engine: Engine, s: Settings, on_drain: Callable[[], None]) -> MetricsBackend:
+        return MetricsBackend(engine, s, metrics, window, on_drain)
 
-    app = create_app(
-        "stage5_metrics",
-        make_backend,
-        settings,
-        description=__doc__ or "",
-        calls_at_once=lambda s: s.batch_concurrency,
-    )
-    add_batcher_routes(app)
-    add_cache_routes(app)
-    app.add_middleware(ShedWhenFull, state=app.state)  # stage 4's: a full queue refuses unread
+    app = stage4.build_app(settings, make_backend, "stage5_metrics", __doc__ or "")  # stage 4's app
     add_dashboard_routes(app, metrics, window)  # NEW: /metrics, /v1/metrics, /v1/dashboard, /dashboard
     app.add_middleware(TelemetryMiddleware, metrics=metrics)  # NEW: outermost, so it sees every answer
     return app

@@ -23,19 +23,19 @@ STATIC = Path(__file__).parent / "static"
 
 
 def metrics_payload(request: Request, metrics: Metrics, window: Window) -> dict[str, Any]:
-    """``/v1/metrics``: the state now, the last minute and since start."""
+    """``/v1/metrics``: the counts now, the last minute and since start."""
     snap = window.now()
-    state = metrics.state.source()
+    now = metrics.earlier_stages.source()
     engine = getattr(request.app.state, "engine", None)
     return {
         "model": engine.model_name if engine is not None else None,
         "uptime_s": round(snap.at - window.started, 1),
         "now": {
-            "queue_depth": state.queue_depth,
-            "in_flight": state.in_flight,
-            "tier": state.tier,
-            "active_requests": state.active,
-            "max_queue": state.max_queue,
+            "queue_depth": now.queue_depth,
+            "in_flight": now.in_flight,
+            "tier": now.tier,
+            "active_requests": now.active,
+            "max_queue": now.max_queue,
         },
         "last_minute": summary(window.minute_ago(snap), snap),
         "since_start": summary(window.baseline, snap),

@@ -6,13 +6,12 @@ carries ids, counts and timings only (``log_request``): the texts never reach a 
 neither do headers or keys.
 
 Writing to stderr can block (a full pipe, a slow log shipper), so the ``embedserve.*`` lines
-go through a ``QueueHandler``: the event loop only puts the record on a queue, and a
-``QueueListener`` thread formats and writes it. The listener lets lines gather between its
-wake-ups (``GatheringListener``): the standard one wakes for every line, and each wake-up takes
-the GIL from the event loop. uvicorn configures its loggers before it
-imports the app, so ``configure_logging``, called when the app is built, gives uvicorn's
-lines ("Started server process", "Uvicorn running on", errors) the same format; they are few,
-so they are written directly.
+go through the standard library's ``QueueHandler`` and ``QueueListener``: the event loop only
+puts the record on a queue, and the listener's thread formats and writes it. The lifespan's end
+stops the listener (``stop_logging``), which writes every line still queued first, so a SIGTERM
+loses none. uvicorn configures its loggers before it imports the app, so ``configure_logging``,
+called when the app is built, gives uvicorn's lines ("Started server process", "Uvicorn running
+on", errors) the same format; they are few, so they are written directly.
 """
 
 from __future__ import annotations
@@ -83,41 +82,17 @@ class TextFormatter(logging.Formatter):
         return head + pairs + newline + trace
 
 
-# --8<-- [start:gather]
-GATHER_S = 0.05  # lines are written at most this late
-
-
-class GatheringListener(QueueListener):
-    """The standard listener blocks on the queue, so every line put wakes its thread, which then
-    takes the GIL from the event loop to format one line: a hand-over per request. This one,
-    finding the queue empty, sleeps while lines gather; a line put meanwhile wakes nobody, and
-    the next wake-up writes them all (at 500 requests a second, 20 wake-ups instead of 500)."""
-
-    def __init__(self, lines: queue.SimpleQueue[Any], *handlers: logging.Handler) -> None:
-        super().__init__(lines, *handlers)
-        self.lines = lines
-
-    def dequeue(self, block: bool) -> Any:
-        try:
-            return self.lines.get_nowait()
-        except queue.Empty:
-            time.sleep(GATHER_S)
-            return self.lines.get(block)
-
-
-# --8<-- [end:gather]
-
-
 class _Queued(QueueHandler):
     """Puts records on a queue; a listener thread formats them and writes them to ``target``."""
 
-    def __init__(self, target: logging.Handler, listener: type[QueueListener] = GatheringListener) -> None:
+    def __init__(self, target: logging.Handler) -> None:
+        # A SimpleQueue, whose put is reentrant: the drain logs from the SIGTERM handler, which may
+        # interrupt a put of this thread (a queue.Queue's lock would deadlock there).
         lines: queue.SimpleQueue[Any] = queue.SimpleQueue()
         super().__init__(lines)
         self.target = target
-        self.listener = listener(lines, target)
+        self.listener = QueueListener(lines, target)
         self.listener.start()
-        atexit.register(lambda: self.listener.stop())  # the lines still queued when the process ends
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         # The default turns the record into one preformatted string; the listener formats it instead.
@@ -130,12 +105,6 @@ class _Queued(QueueHandler):
 
 def configure_logging(settings: Settings) -> None:
     """Send ``embedserve.*`` and ``uvicorn*`` lines to stderr in the configured format (idempotent)."""
-    # The logging HOWTO's "Optimization": no line shows the thread or the process, so no record
-    # looks them up (about 5 us less per request line, measured by benchmarks/stage5_asgi.py);
-    # nor the file and line that logged it, so no record walks the stack to find them (a tenth of
-    # the Python calls stage 5 adds to a request: bench-request-path).
-    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
-    logging._srcfile = None  # the HOWTO's documented switch
     ours = logging.getLogger("embedserve")
     queued = next((h for h in ours.handlers if isinstance(h, _Queued)), None)
     if queued is None:
@@ -150,12 +119,19 @@ def configure_logging(settings: Settings) -> None:
             logger.handlers = [queued.target]
 
 
-def flush_logs() -> None:
-    """Write every queued line now: after a SIGTERM, uvicorn ends the process by that signal."""
-    for handler in logging.getLogger("embedserve").handlers:
-        if isinstance(handler, _Queued):
-            handler.listener.stop()  # writes what is queued, then stops
-            handler.listener.start()  # and goes on for any later line
+def stop_logging() -> None:
+    """Write every queued line, then stop the listener (the lifespan's end; at exit otherwise).
+
+    After a SIGTERM uvicorn ends the process by that signal, so a line still queued then would be
+    lost. The handler goes too: an app built later in the same process installs a fresh one.
+    """
+    ours = logging.getLogger("embedserve")
+    for handler in [h for h in ours.handlers if isinstance(h, _Queued)]:
+        ours.removeHandler(handler)
+        handler.listener.stop()  # the standard listener writes what is queued, then its thread ends
+
+
+atexit.register(stop_logging)  # a process that ends without its lifespan's end (a script, a test)
 
 
 @dataclass(slots=True)

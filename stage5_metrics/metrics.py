@@ -8,8 +8,8 @@ values each (route templates, status codes, three tiers, two cache tiers): never
 request id or a client address, which would make a new time series per request.
 
 Events are counted when they happen, with prometheus-client's ``Counter`` and ``Histogram``:
-once per request and once per batch, never once per text. State the earlier stages keep
-anyway is read only when collected (``state.py``).
+once per request and once per batch, never once per text. What the earlier stages count
+anyway is read only when collected (``stage_counts.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from prometheus_client import (
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from stage5_metrics.state import PREFIX, TIERS, StateCollector
+from stage5_metrics.stage_counts import PREFIX, TIERS, StageCountsCollector
 
 T = TypeVar("T", bound=Collector)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -60,10 +60,10 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         for default in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             r.register(default)  # process_*, python_info, python_gc_*: the client's defaults
-        self.state = StateCollector()
-        r.register(self.state)
+        self.earlier_stages = StageCountsCollector()  # stages 3 and 4's own counts, read when collected
+        r.register(self.earlier_stages)
 
-        self._own: list[Collector] = [self.state]  # what the window samples
+        self._own: list[Collector] = [self.earlier_stages]  # what the window samples
 
         def own(metric: T) -> T:
             self._own.append(metric)

@@ -20,7 +20,6 @@ import os
 import re
 import time
 
-from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stage5_metrics.logs import RequestRecord, log_request
@@ -35,11 +34,6 @@ _CLIENT_GONE = 499  # no answer was made: the client left first (nginx's code fo
 # Generated ids: a random half per process, a counter for the other (cheaper than 16 random bytes).
 _ID_PREFIX = os.urandom(8).hex()
 _ID_COUNTER = itertools.count()
-
-
-def record_of(request: Request | None) -> RequestRecord | None:
-    """The record the middleware keeps for this request (None outside a stage 5 request)."""
-    return None if request is None else getattr(request.state, "telemetry", None)
 
 
 def _request_id(given: str | None) -> str:
@@ -82,7 +76,8 @@ class TelemetryMiddleware:
         started = time.perf_counter()
         given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
         record = RequestRecord(_request_id(given))
-        scope.setdefault("state", {})["telemetry"] = record  # request.state.telemetry, for the backend
+        # request.state.log_record: the contract hands it to the backend, as the job's log_record
+        scope.setdefault("state", {})["log_record"] = record
         header = (b"x-request-id", record.request_id.encode())
         status = _CLIENT_GONE
 

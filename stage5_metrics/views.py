@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from stage5_metrics.state import TIERS
+from stage5_metrics.stage_counts import TIERS
 from stage5_metrics.window import Snapshot, Window
 
 

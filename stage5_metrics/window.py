@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stage5_metrics.metrics import EMBED_ROUTES, Metrics
-from stage5_metrics.state import PREFIX
+from stage5_metrics.stage_counts import PREFIX
 
 # Of the histograms' buckets, the views need these two; the rest stay for Prometheus.
 _BUCKETS = {"request_duration_seconds_bucket": "latency", "batch_size_texts_bucket": "sizes"}

@@ -294,6 +294,16 @@ async def test_full_queue_answers_at_once_with_retry_after(make: Any, engine: En
     assert sum(gated.calls) == len(running) + 3  # the refused text never reached the model
 
 
+async def test_request_larger_than_the_queue_goes_when_the_queue_is_empty(make: Any, engine: Engine) -> None:
+    """More texts than MAX_QUEUE in one request, and nothing queued: it goes, or a request that
+    large could never be served (admission.py's check)."""
+    backend, gated = await make(max_queue=2)
+    texts = [_new(f"larger than the queue {i}") for i in range(5)]
+    result = await backend.embed(_job(engine, texts))
+    assert np.allclose(result.vectors, _expected(engine, texts), atol=1e-5)
+    assert sum(gated.calls) == 5 and backend.stats.rejected == 0
+
+
 async def test_deadline_passing_in_the_queue_is_504_before_the_model(make: Any, engine: Engine) -> None:
     backend, gated = await make()
     gated.gate.clear()

@@ -342,8 +342,9 @@ def test_answers_before_routing_keep_their_route(server: Server) -> None:
 def test_every_request_line_is_written_before_a_sigterm_ends_the_server(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """The log listener lets lines gather for up to 50 ms before it writes them; a SIGTERM right
-    after the last answer still finds every request's line in the log."""
+    """The log listener's thread writes the lines after their answers; a SIGTERM right after the
+    last answer still finds every request's line in the log (the lifespan's end stops the listener,
+    which writes what is queued first)."""
     with run_server(STAGE, tmp_path_factory.mktemp("last-lines")) as srv:
         ids = [f"last-line-{i}" for i in range(30)]
         with httpx.Client(base_url=srv.url, timeout=60) as client:
@@ -352,7 +353,7 @@ def test_every_request_line_is_written_before_a_sigterm_ends_the_server(
                     "/v1/embed", json={"inputs": [f"text {rid}"]}, headers={"X-Request-ID": rid}
                 )
                 assert answer.status_code == 200
-        srv.process.terminate()  # at once: the last lines are still gathering
+        srv.process.terminate()  # at once: the last lines may still be queued
         assert srv.process.wait(timeout=60) in (0, -15)
         logged = {
             json.loads(line).get("request_id") for line in srv.log().splitlines() if line.startswith("{")

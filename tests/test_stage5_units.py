@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import re
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,7 +19,7 @@ from common.settings import Settings
 from stage5_metrics.logs import JsonFormatter, RequestRecord, TextFormatter, configure_logging, log_request
 from stage5_metrics.metrics import Metrics
 from stage5_metrics.savings import CostModel
-from stage5_metrics.state import State
+from stage5_metrics.stage_counts import StageCounts
 from stage5_metrics.views import quantile, series, summary
 from stage5_metrics.window import Window, read
 
@@ -68,7 +69,7 @@ def test_last_minute_forgets_and_since_start_remembers() -> None:
     assert 59 <= minute["seconds"] <= 61
     assert since["requests"] == 11 and since["texts"] == 20 and since["tokens"] == 200
     assert since["statuses"] == {"200": 10, "503": 1}
-    assert since["cache"]["deduplicated"] == 0  # stage 4's counts come from the backend (State)
+    assert since["cache"]["deduplicated"] == 0  # stage 4's counts come from the backend (StageCounts)
     assert since["batches"]["count"] == 1 and since["batches"]["size_distribution"] == {"10": 1}
     assert since["batches"]["tiers"] == {"low": 0, "medium": 1, "high": 0}
     assert since["batches"]["padding_ratio"] == 0.25
@@ -84,7 +85,7 @@ def test_last_minute_forgets_and_since_start_remembers() -> None:
 def test_cache_figures_come_from_the_tiers() -> None:
     """A Redis hit follows a memory miss: hits add up over tiers, lookups are the memory tier's."""
     metrics = Metrics()
-    metrics.state.source = lambda: State(
+    metrics.earlier_stages.source = lambda: StageCounts(
         cache_hits={"memory": 6, "redis": 2}, cache_misses={"memory": 4, "redis": 2}, deduplicated=3
     )
     cache = summary(Window(metrics).baseline, read(metrics, 1.0))["cache"]
@@ -95,7 +96,7 @@ def test_series_points_cover_the_window_and_a_pause_is_zero() -> None:
     clock = Clock(1_000_000.0)
     metrics = Metrics()
     depth = {"now": 0}
-    metrics.state.source = lambda: State(queue_depth=depth["now"])
+    metrics.earlier_stages.source = lambda: StageCounts(queue_depth=depth["now"])
     window = Window(metrics, clock=clock)
     assert len(series(window)) == 1  # just started: one point
     window.sample()
@@ -131,7 +132,9 @@ def test_state_is_exported_by_name() -> None:
     names = {s.name for f in metrics.own_families() for s in f.samples}
     for name in ("queue_depth_texts", "cache_hits_total", "rejected_requests_total", "dropped_texts_total"):
         assert f"embedserve_{name}" in names
-    metrics.state.source = lambda: State(queue_depth=5, tier="medium", rejected={"overload": 2})
+    metrics.earlier_stages.source = lambda: StageCounts(
+        queue_depth=5, tier="medium", rejected={"overload": 2}
+    )
     text = metrics.exposition().decode()
     assert "embedserve_queue_depth_texts 5.0" in text
     assert 'embedserve_load_tier{tier="medium"} 1.0' in text
@@ -192,14 +195,17 @@ def log_stream() -> Iterator[io.StringIO]:
 
 
 def test_request_lines_in_both_formats(log_stream: io.StringIO) -> None:
-    from stage5_metrics.logs import flush_logs
+    def written(n: int) -> None:  # the listener's thread writes: wait for its n-th line
+        deadline = time.monotonic() + 30
+        while len(log_stream.getvalue().splitlines()) < n and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     record = RequestRecord("rid-1", texts=2, tokens=17, cache_hits=1, cache_misses=1, queue_ms=0.5)
-    for fmt in ("json", "text"):
+    for n, fmt in ((2, "json"), (4, "text")):
         configure_logging(Settings(log_format=fmt))
         log_request(logging.INFO, "POST", "/v1/embed", 200, record, 12.3456)
         log_request(logging.WARNING, "GET", "unmatched", 503, RequestRecord("rid-2"), 1.0)
-        flush_logs()  # the listener thread formats: every queued line written before the next format
+        written(n)  # both lines in this format before the next
     lines = log_stream.getvalue().splitlines()
     assert len(lines) == 4
     first, second = json.loads(lines[0]), json.loads(lines[1])
@@ -210,8 +216,7 @@ def test_request_lines_in_both_formats(log_stream: io.StringIO) -> None:
     assert lines[2].endswith("total_ms=12.346") and "inference_ms=null" in lines[2]
     assert " WARNING request request_id=rid-2" in lines[3]
     configure_logging(Settings(log_level="WARNING"))  # LOG_LEVEL=WARNING: no request lines
-    log_request(logging.INFO, "POST", "/v1/embed", 200, record, 1.0)
-    flush_logs()
+    log_request(logging.INFO, "POST", "/v1/embed", 200, record, 1.0)  # returns before a record is made
     assert len(log_stream.getvalue().splitlines()) == 4
 
 

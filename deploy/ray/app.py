@@ -29,6 +29,7 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.limits import APIError, error_response
 from common.settings import Settings, get_settings
 from deploy.ray.settings import ClusterSettings
 
@@ -135,8 +136,7 @@ class MetricsPort:
     async def _only_metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] == "/metrics":
             return await self.app(scope, receive, send)
-        await send({"type": "http.response.start", "status": 404, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
+        await error_response(APIError(404, "this port serves only /metrics"))(scope, receive, send)
 
     async def start(self) -> None:
         import ray

@@ -17,10 +17,12 @@ replica's own:
 
 from __future__ import annotations
 
+import contextlib
+
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.limits import error_body
+from common.limits import APIError, error_response
 
 LOST_RETRY_AFTER_S = 1
 
@@ -41,6 +43,10 @@ class AnswerEveryRequest:
         started = False
         refusal: Message | None = None  # the proxy's own 503/429, held until its text body
 
+        async def send_error(error: APIError) -> None:
+            with contextlib.suppress(OSError):  # the client has gone too
+                await error_response(error)(scope, receive, send)
+
         async def watch(message: Message) -> None:
             nonlocal started, refusal
             if message["type"] == "http.response.start":
@@ -51,9 +57,9 @@ class AnswerEveryRequest:
             elif refusal is not None and message["type"] == "http.response.body":
                 text = message.get("body", b"").decode(errors="replace").strip()
                 if refusal["status"] == 408:
-                    return await _send_error(send, 504, f"deadline passed in the cluster: {text}", [])
-                kept = [(k, v) for k, v in refusal["headers"] if k.lower() == b"retry-after"]
-                return await _send_error(send, refusal["status"], f"overloaded: {text}", kept)
+                    return await send_error(APIError(504, f"deadline passed in the cluster: {text}"))
+                kept = {k.decode(): v.decode() for k, v in refusal["headers"] if k.lower() == b"retry-after"}
+                return await send_error(APIError(refusal["status"], f"overloaded: {text}", headers=kept))
             await send(message)
 
         try:
@@ -63,7 +69,7 @@ class AnswerEveryRequest:
                 raise
         if not started:  # the replica was lost with the request: nothing was sent
             message = "the replica serving this request was lost; retry (embedding is idempotent)"
-            await _send_error(send, 503, message, [(b"retry-after", str(LOST_RETRY_AFTER_S).encode())])
+            await send_error(APIError(503, message, headers={"Retry-After": str(LOST_RETRY_AFTER_S)}))
 
 
 # --8<-- [end:middleware]
@@ -71,13 +77,3 @@ class AnswerEveryRequest:
 
 def _is_text(message: Message) -> bool:
     return any(k.lower() == b"content-type" and v.startswith(b"text/") for k, v in message["headers"])
-
-
-async def _send_error(send: Send, status: int, message: str, headers: list[tuple[bytes, bytes]]) -> None:
-    body = error_body(status, message)
-    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    try:
-        await send({"type": "http.response.start", "status": status, "headers": head + headers})
-        await send({"type": "http.response.body", "body": body})
-    except OSError:
-        pass  # the client has gone too

@@ -1,16 +1,18 @@
-"""Exercise for stage 4, part 2 of 3: single-flight, one computation per key at a time.
+"""Stage 4 exercise, part 2 of 3: write ``SingleFlight.join``, ``resolve`` and ``fail`` (single-flight).
 
 Fifty requests for the same new text arrive together: all fifty miss the cache. Without help,
 the model computes the text fifty times. With single-flight, the first caller to miss a key
 *leads*: it computes the value and publishes it; the callers that miss the same key while that
 computation runs *follow*: they await the leader's future instead of queueing the text again.
-Chapter: docs/stage4.md, "In-flight de-duplication (single-flight)". (Go's
+Chapter: docs/stage4.md, "The idea" (single-flight) and "The code"; the lab notes' "Single-flight,
+the edge cases" (docs/lab/stage4.md). (Go's
 ``golang.org/x/sync/singleflight`` is the classic; this is its asyncio shape.)
 
-Write ``join``, ``resolve`` and ``fail``. ``leading`` is given: the backend computes inside it,
-and whatever stops the leader early hands an error to the followers through your ``fail``, so
-no follower waits forever. The backend (``stage4_cache_backpressure/app.py``, ``_embed`` and
-``_follow``) shows how the three are used.
+Your class extends the stage's ``SingleFlight`` (``stage4_cache_backpressure/singleflight.py``),
+which gives ``__init__`` (``self._flights``), ``len`` and ``leading``: the backend computes inside
+it, and whatever stops the leader early hands an error to the followers through your ``fail``, so
+no follower waits forever. Write ``join``, ``resolve`` and ``fail``. The backend
+(``stage4_cache_backpressure/app.py``, ``_embed`` and ``_follow``) shows how the three are used.
 
 Check your work (stage 4's backend built with your three pieces; the section "single-flight"
 of ``tests/test_stage4_backend.py`` is the one about this part):
@@ -30,10 +32,10 @@ Hints:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from typing import Generic, TypeVar
+from collections.abc import Iterable
+from typing import TypeVar
 
+from stage4_cache_backpressure import singleflight as stage
 from stage4_cache_backpressure.singleflight import LeaderGone  # the backend retries on this one
 
 T = TypeVar("T")
@@ -41,27 +43,21 @@ T = TypeVar("T")
 __all__ = ["LeaderGone", "SingleFlight"]
 
 
-class SingleFlight(Generic[T]):
-    def __init__(self) -> None:
-        self._flights: dict[str, asyncio.Future[T]] = {}
-
-    def __len__(self) -> int:
-        return len(self._flights)
-
+class SingleFlight(stage.SingleFlight[T]):
     def join(self, key: str) -> asyncio.Future[T] | None:
         """None: the caller leads (and must ``resolve`` or ``fail``). A future: the caller follows.
 
         TODO: a key in flight: return its future. Otherwise the caller leads: put a new future
         in flight for the key, and return None.
         """
-        raise NotImplementedError("TODO: lead (None) or follow (the future in flight)")
+        raise NotImplementedError(_todo("join: lead (None) or follow (the future in flight)"))
 
     def resolve(self, key: str, value: T) -> None:
         """The leader's value: every follower of ``key`` gets it, and the key is no longer in flight.
 
         TODO
         """
-        raise NotImplementedError("TODO: hand the value to the followers, end the flight")
+        raise NotImplementedError(_todo("resolve: hand the value to the followers, end the flight"))
 
     def fail(self, keys: Iterable[str], exc: BaseException) -> None:
         """Hand ``exc`` to the followers of every key still in flight, and end those flights.
@@ -69,24 +65,8 @@ class SingleFlight(Generic[T]):
         TODO. After ``set_exception``, call ``flight.exception()``: a flight nobody followed
         would otherwise log "Future exception was never retrieved".
         """
-        raise NotImplementedError("TODO: hand the error to the followers, end the flights")
+        raise NotImplementedError(_todo("fail: hand the error to the followers, end the flights"))
 
-    @contextmanager
-    def leading(
-        self, keys: Iterable[str], handover: Callable[[BaseException], BaseException]
-    ) -> Iterator[None]:
-        """Given: the block computes the ``keys`` this caller leads (``join`` returned None for each).
 
-        Whatever ends it before it resolved them all, an error or a cancellation, hands
-        ``handover(exc)`` to the followers of the rest, so no follower waits forever.
-        """
-        mine = {key: self._flights[key] for key in keys}
-        error: BaseException = LeaderGone()  # the block returned with a key unresolved: a bug, retry
-        try:
-            yield
-        except BaseException as exc:
-            error = handover(exc)
-            raise
-        finally:
-            # Only flights still ours: a key resolved earlier may be led by a newer caller now.
-            self.fail([key for key, flight in mine.items() if self._flights.get(key) is flight], error)
+def _todo(what: str) -> str:
+    return f"TODO (exercises/stage4_cache_backpressure/singleflight.py): write SingleFlight.{what}"

@@ -1,10 +1,11 @@
-"""State the earlier stages keep anyway, as Prometheus families, read only when collected.
+"""What the earlier stages count anyway, as Prometheus families, read only when collected.
 
 Queue depth, batches in flight, the load tier and all of stage 4's counters (cache hits and
 misses by tier, Redis errors, evictions, de-duplicated texts, rejections) already exist in
-stages 3 and 4. ``StateCollector`` turns them into gauges and counters when Prometheus scrapes
-or the window samples (once a second), instead of mirroring every increment: no work on the
-request path. The app supplies the ``State`` (``MetricsBackend.state`` in ``app.py``).
+stages 3 and 4. ``StageCountsCollector`` reads them, as one ``StageCounts``, when Prometheus
+scrapes or the window samples (once a second) and turns them into gauges and counters, instead
+of mirroring every increment: no work on the request path. The app reads them
+(``MetricsBackend.stage_counts`` in ``app.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ TIERS = ("low", "medium", "high")
 
 
 @dataclass
-class State:
-    """What the earlier stages know right now; the app fills it in (zeros before the model loads)."""
+class StageCounts:
+    """What the earlier stages count, right now; the app takes it (zeros before the model loads)."""
 
     queue_depth: int = 0
     in_flight: int = 0
@@ -51,11 +52,11 @@ def _counter(
     return family
 
 
-class StateCollector(Collector):
-    """Gauges and counters computed when collected, from state the server keeps anyway."""
+class StageCountsCollector(Collector):
+    """Gauges and counters computed when collected, from what the earlier stages count anyway."""
 
     def __init__(self) -> None:
-        self.source: Callable[[], State] = State  # the app points it at its backend
+        self.source: Callable[[], StageCounts] = StageCounts  # the app points it at its backend
 
     def collect(self) -> Iterator[Metric]:
         s = self.source()

@@ -1,8 +1,9 @@
-"""One request's answer, filled in text by text as the steps of stage 4 find each one.
+"""One request's result, filled in row by row as the steps of stage 4 find each text.
 
 A text's entry comes from the memory tier, the Redis tier, another request's computation
-or the model; ``Answer`` keeps its vector, token count and truncation flag at the text's
-row, and turns them into the typed ``EmbedResult`` (the contract renders the headers).
+or the model; ``PartialResult`` keeps its vector, token count and truncation flag at the
+text's row, and once every row is in turns them into the typed ``EmbedResult`` (the contract
+renders the headers).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from stage3_batching.batcher import BatchOutcome
 from stage4_cache_backpressure.cache import CacheEntry
 
 
-class Answer:
+class PartialResult:
     def __init__(self, engine: Engine, job: EmbedJob) -> None:
         self.engine, self.job = engine, job
         n = len(job.texts)
