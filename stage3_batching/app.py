@@ -22,7 +22,7 @@ from fastapi.responses import Response
 
 from common.api import EmbedJob, EmbedResult, create_app, json_response, tokenize
 from common.engine import Engine, l2_normalize
-from common.limits import APIError
+from common.limits import APIError, model_failed, not_loaded
 from common.settings import Settings
 from stage1_naive.app import NaiveBackend
 from stage3_batching.batcher import Batcher, BatchRecord
@@ -50,7 +50,7 @@ class BatchingBackend(NaiveBackend):
         except APIError:
             raise
         except Exception as exc:  # the model raised for this caller's texts
-            raise APIError(500, f"the model failed on this request: {type(exc).__name__}") from exc
+            raise model_failed(exc) from exc
         vectors = l2_normalize(out.vectors) if job.normalize else out.vectors
         return EmbedResult(
             vectors,
@@ -82,7 +82,7 @@ def batcher_of(request: Request) -> Batcher:
     backend = getattr(request.app.state, "backend", None)
     batcher = getattr(backend, "batcher", None)
     if not isinstance(batcher, Batcher):
-        raise APIError(503, "the model is not loaded yet", headers={"Retry-After": "1"})
+        raise not_loaded()
     return batcher
 
 

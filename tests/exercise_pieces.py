@@ -3,9 +3,8 @@
 ``make exercise STAGE=N`` sets EXERCISE=1 (exercises/README.md). The test modules take the
 pieces a learner writes from here instead of importing them from the stage, so the same tests
 check ``exercises/``. A learner's class extends the stage's own (stage 3's the stage's ``Batcher``,
-stage 4's the stage's classes) and writes only the methods left to write. Each function imports only
-what it returns, so a
-half-written stage 4 exercise never breaks the stage 3 check.
+stage 4's the stage's classes) and writes only the methods left to write. Each function imports
+only what it returns, so a half-written stage 4 exercise never breaks the stage 3 check.
 """
 
 from __future__ import annotations
