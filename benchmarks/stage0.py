@@ -47,17 +47,20 @@ def markdown(result: dict[str, Any]) -> str:
             for q in [r.get("quality", {})]
         ],
     )  # fmt: skip
-    dynamic = next(r["one_thread"] for r in rows if r["variant"] == "int8-dynamic")
-    b1, b16 = "texts_per_cpu_s_b1", "texts_per_cpu_s_b16"
+    dynamic = next((r.get("one_thread", {}) for r in rows if r["variant"] == "int8-dynamic"), {})
+
+    def per_cpu_s(row: dict[str, Any], key: str) -> tuple[str, str]:
+        """Texts per CPU-second on one thread, and the ratio to dynamic INT8's."""
+        value, base = row.get("one_thread", {}).get(key), dynamic.get(key)
+        return num(value, 0), num(value / base if value and base else None, 2)
+
     one_thread = table(
         ["variant", "texts/CPU-s, 1 text", "× int8-dynamic", "texts/CPU-s, batch 16", "× int8-dynamic"],
         [
-            (r["variant"], num(t[b1], 0), num(t[b1] / dynamic[b1], 2),
-             num(t[b16], 0), num(t[b16] / dynamic[b16], 2))
+            (r["variant"], *per_cpu_s(r, "texts_per_cpu_s_b1"), *per_cpu_s(r, "texts_per_cpu_s_b16"))
             for r in rows
-            for t in [r["one_thread"]]
         ],
-    )  # fmt: skip
+    )
     sections = {"speed": speed, "quality": quality, "one_thread": one_thread}
     return page(result["stamp"], sections, note)
 
@@ -74,7 +77,8 @@ def headline(result: dict[str, Any]) -> dict[str, float]:
     for r in result["variants"]:
         out[f"{r['variant']} items/s at batch 32"] = r["items_per_s"]["32"]
         out[f"{r['variant']} p50 ms, one text"] = r["latency_ms_batch1"]["p50"]
-        out[f"{r['variant']} texts/CPU-s at batch 16, one thread"] = r["one_thread"]["texts_per_cpu_s_b16"]
+        if "one_thread" in r:
+            out[f"{r['variant']} texts/CPU-s, batch 16, 1 thread"] = r["one_thread"]["texts_per_cpu_s_b16"]
     return out
 
 
