@@ -21,8 +21,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[build,dev]'
 	touch $@
 
-$(MODEL_DIR)/manifest.json: | $(VENV)/.installed
+# The build's recipe (BUILD_VERSION) lives in build_model.py: a change there reruns `make model`,
+# which rebuilds only when the recipe or the checkpoint changed.
+$(MODEL_DIR)/manifest.json: stage0_script/build_model.py | $(VENV)/.installed
 	$(MAKE) model
+	touch $@
 
 ## model: export, quantize and check the model (does nothing when up to date)
 model: $(VENV)/.installed

@@ -38,15 +38,38 @@ def markdown(result: dict[str, Any]) -> str:
         ],
     )  # fmt: skip
     quality = table(
-        ["variant", "mean cosine to fp32", "min cosine to fp32", "STS-B Spearman ×100"],
+        ["variant", "mean cosine to fp32", "min cosine to fp32", "STS-B Spearman ×100",
+         "max difference, alone vs in a batch"],
         [
             (r["variant"], num(q.get("mean_cosine_to_fp32"), 4), num(q.get("min_cosine_to_fp32"), 4),
-             num(q.get("stsb_spearman_x100"), 2))
+             num(q.get("stsb_spearman_x100"), 2), _difference(q.get("max_batch_difference")))
             for r in rows
             for q in [r.get("quality", {})]
         ],
     )  # fmt: skip
-    return page(result["stamp"], {"speed": speed, "quality": quality}, note)
+    dynamic = next((r.get("one_thread", {}) for r in rows if r["variant"] == "int8-dynamic"), {})
+
+    def per_cpu_s(row: dict[str, Any], key: str) -> tuple[str, str]:
+        """Texts per CPU-second on one thread, and the ratio to dynamic INT8's."""
+        value, base = row.get("one_thread", {}).get(key), dynamic.get(key)
+        return num(value, 0), num(value / base if value and base else None, 2)
+
+    one_thread = table(
+        ["variant", "texts/CPU-s, 1 text", "× int8-dynamic", "texts/CPU-s, batch 16", "× int8-dynamic"],
+        [
+            (r["variant"], *per_cpu_s(r, "texts_per_cpu_s_b1"), *per_cpu_s(r, "texts_per_cpu_s_b16"))
+            for r in rows
+        ],
+    )
+    sections = {"speed": speed, "quality": quality, "one_thread": one_thread}
+    return page(result["stamp"], sections, note)
+
+
+def _difference(value: float | None) -> str:
+    """0 when a batch changes nothing (bitwise), else the largest difference of one component."""
+    if value is None:
+        return "–"
+    return "0 (identical)" if value == 0 else f"{value:.1e}"
 
 
 def headline(result: dict[str, Any]) -> dict[str, float]:
@@ -54,6 +77,8 @@ def headline(result: dict[str, Any]) -> dict[str, float]:
     for r in result["variants"]:
         out[f"{r['variant']} items/s at batch 32"] = r["items_per_s"]["32"]
         out[f"{r['variant']} p50 ms, one text"] = r["latency_ms_batch1"]["p50"]
+        if "one_thread" in r:
+            out[f"{r['variant']} texts/CPU-s, batch 16, 1 thread"] = r["one_thread"]["texts_per_cpu_s_b16"]
     return out
 
 

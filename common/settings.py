@@ -25,7 +25,7 @@ class Settings(BaseSettings):
 
     # --- model and engine -------------------------------------------------
     model_dir: Path = Field(DEFAULT_MODEL_DIR, description="Folder written by `make model`.")
-    model_variant: Literal["int8", "int8-dynamic", "int8-static", "fp32"] = Field(
+    model_variant: Literal["int8", "int8-dynamic", "int8-static", "int8-rowwise", "fp32"] = Field(
         "int8", description="Which ONNX file to serve; `int8` is the mode the build chose."
     )
     onnx_intra_threads: int = Field(

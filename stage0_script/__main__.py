@@ -27,7 +27,8 @@ from common.settings import get_settings
 from stage0_script import corpus
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-VARIANTS = ("fp32", "int8-dynamic", "int8-static")
+VARIANTS = ("fp32", "int8-dynamic", "int8-static", "int8-rowwise")
+ONE_THREAD_BATCH = 16  # the one-thread comparison: one text, and a batch of this many
 
 
 def read_texts(args: argparse.Namespace) -> list[str]:
@@ -114,20 +115,30 @@ def bench_variant(variant: str, texts: list[str], seconds: float) -> dict[str, A
     }
 
 
-def measure(seconds: float) -> dict[str, Any]:
-    """Every variant on the same 256 unique sentences: the figures ``--bench`` prints."""
+def measure(seconds: float, rounds: int = 3) -> dict[str, Any]:
+    """Every variant on the same 256 unique sentences: the figures ``--bench`` prints. Then each
+    on one ONNX thread, the variants in turns for ``rounds`` rounds, in texts per CPU-second of
+    the calling thread (stage0_script/speed.py: what the neighbours on a shared machine change least)."""
+    from stage0_script import speed
+
+    model_dir = get_settings().model_dir
     texts = corpus.texts(256, seed=11, kind="sentence")  # 12-20 word sentences, unique
-    manifest = Engine(get_settings().model_dir, variant="fp32").manifest
+    manifest = Engine(model_dir, variant="fp32").manifest
+    rows = [bench_variant(v, texts, seconds) for v in VARIANTS]
+    one_thread = speed.variants(model_dir, list(VARIANTS), rounds=rounds, batch=ONE_THREAD_BATCH)
+    for row in rows:
+        row["one_thread"] = one_thread[row["variant"]]
     return {
         "texts": {"kind": "sentence", "count": len(texts), "seed": 11},
         "seconds_per_measurement": seconds,
+        "one_thread_rounds": rounds,
         "int8_default": manifest.get("int8_default"),
-        "variants": [bench_variant(v, texts, seconds) for v in VARIANTS],
+        "variants": rows,
     }
 
 
 def bench(args: argparse.Namespace) -> int:
-    result = measure(args.seconds)
+    result = measure(args.seconds, rounds=1)
     rows = result["variants"]
     header = f"{'variant':13s} {'MB':>6s} {'load s':>7s} {'p50 ms':>7s} " + " ".join(
         f"{'bs' + str(b):>7s}" for b in BATCH_SIZES

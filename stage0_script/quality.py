@@ -3,8 +3,8 @@
 Two checks, both against fp32: the cosine of each project sentence's vector (mean at least
 GATE_MEAN_COSINE), and, with the STS-benchmark pairs, the Spearman correlation with human scores
 (at most GATE_STSB_POINTS below fp32). ``build_model`` serves a variant only when it passes.
-The quantization study adds a third figure: batch invariance (a text alone against the same text
-in a padded batch).
+Beside them, for every variant, a third figure that gates nothing: batch invariance, the largest
+difference between a text's vector alone and in a padded batch of mixed lengths.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def quality(out: Path, variants: list[str], stsb: Path | None) -> dict[str, Any]
         if name != "fp32":
             cos = cosines(ref, embed_all(engine, sentences))
             entry |= {"mean_cosine_to_fp32": float(cos.mean()), "min_cosine_to_fp32": float(cos.min())}
+        entry["max_batch_difference"] = batch_difference(engine)
         if pairs is not None:
             entry["stsb_spearman_x100"] = stsb_spearman(engine, pairs)
         report["variants"][name] = entry
@@ -101,6 +102,22 @@ def gate_failures(report: dict[str, Any], variant: str) -> list[str]:
 
 
 # --8<-- [end:gate]
+
+
+# --8<-- [start:invariance]
+def batch_difference(engine: Engine, sizes: tuple[int, ...] = (8, 32)) -> float:
+    """The largest |difference| of one component between a text's vector embedded alone and the
+    same text's inside a batch of ``sizes`` mixed-length texts (0.0: the batch changes nothing)."""
+    texts = corpus.texts(max(sizes), seed=11, kind="mixed")
+    alone = np.concatenate([engine.embed([t]).vectors for t in texts])
+    worst = 0.0
+    for size in sizes:
+        batched = embed_all(engine, texts, batch=size)
+        worst = max(worst, float(np.abs(alone - batched).max()))
+    return worst
+
+
+# --8<-- [end:invariance]
 
 
 def batch_invariance(engine: Engine) -> float:

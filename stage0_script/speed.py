@@ -16,8 +16,8 @@ from common.engine import Engine
 from stage0_script import corpus
 
 
-def variants(model_dir: Path, names: list[str], rounds: int) -> dict[str, dict[str, float]]:
-    """Load time and model throughput at batch 1 and 32, one ONNX thread, variants interleaved.
+def variants(model_dir: Path, names: list[str], rounds: int, batch: int = 32) -> dict[str, dict[str, float]]:
+    """Load time and model throughput at batch 1 and ``batch``, one ONNX thread, variants interleaved.
 
     The machine is shared, so wall-clock time measures the neighbours too. With one intra-op
     thread ONNX Runtime computes on the calling thread, and that thread's CPU time is what the
@@ -26,8 +26,10 @@ def variants(model_dir: Path, names: list[str], rounds: int) -> dict[str, dict[s
     """
     tokenizer = Engine(model_dir, "fp32").tokenize
     singles = [t.ids for t in tokenizer(corpus.texts(24, seed=12, kind="sentence"))]
-    batches = [[t.ids for t in tokenizer(corpus.texts(32, seed=13 + i, kind="mixed"))] for i in range(2)]
-    calls = {"b1": [[ids] for ids in singles], "b32": batches}
+    mixed = [[t.ids for t in tokenizer(corpus.texts(32, seed=13 + i, kind="mixed"))] for i in range(2)]
+    batches = [call[j : j + batch] for call in mixed for j in range(0, len(call), batch)]
+    big = f"b{batch}"
+    calls = {"b1": [[ids] for ids in singles], big: batches}
     samples: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     for _ in range(rounds):
         for name in names:
@@ -37,8 +39,8 @@ def variants(model_dir: Path, names: list[str], rounds: int) -> dict[str, dict[s
             for key, batch_list in calls.items():
                 texts = sum(len(b) for b in batch_list)
                 cpu, wall = time.thread_time(), time.perf_counter()
-                for batch in batch_list:
-                    engine.run(batch)
+                for call in batch_list:
+                    engine.run(call)
                 samples[name].setdefault(f"{key}_cpu", []).append(texts / (time.thread_time() - cpu))
                 samples[name].setdefault(f"{key}_wall", []).append(texts / (time.perf_counter() - wall))
             del engine
@@ -48,14 +50,14 @@ def variants(model_dir: Path, names: list[str], rounds: int) -> dict[str, dict[s
         r = out[name] = {
             "load_s": statistics.median(got["load"]),
             "texts_per_cpu_s_b1": statistics.median(got["b1_cpu"]),
-            "texts_per_cpu_s_b32": statistics.median(got["b32_cpu"]),
+            f"texts_per_cpu_s_{big}": statistics.median(got[f"{big}_cpu"]),
             "texts_per_s_b1_wall_best": max(got["b1_wall"]),
-            "texts_per_s_b32_wall_best": max(got["b32_wall"]),
+            f"texts_per_s_{big}_wall_best": max(got[f"{big}_wall"]),
         }
         print(
             f"  {name:28s} load={r['load_s']:.2f}s  per CPU-second: b1={r['texts_per_cpu_s_b1']:.0f}"
-            f"  b32={r['texts_per_cpu_s_b32']:.0f}  wall best: b1={r['texts_per_s_b1_wall_best']:.0f}"
-            f"  b32={r['texts_per_s_b32_wall_best']:.0f}",
+            f"  {big}={r[f'texts_per_cpu_s_{big}']:.0f}  wall best: b1={r['texts_per_s_b1_wall_best']:.0f}"
+            f"  {big}={r[f'texts_per_s_{big}_wall_best']:.0f}",
             flush=True,
         )
     return out
