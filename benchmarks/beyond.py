@@ -1,4 +1,4 @@
-"""`make bench-cluster`: stage 5 on the Ray cluster against plain stage 5, on this machine (docs/beyond.md).
+"""`make results ONLY=beyond`: stage 5 on the Ray cluster against plain stage 5, here (docs/beyond.md).
 
     python -m benchmarks.beyond            # about 6 minutes
     python -m benchmarks.beyond --quick    # about 3 minutes, seconds per point

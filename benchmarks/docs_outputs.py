@@ -1,4 +1,4 @@
-"""What the commands in the chapters print, captured from real runs (`make docs-outputs`).
+"""What the commands in the chapters print, captured from real runs (`make results ONLY=docs-outputs`).
 
     python -m benchmarks.docs_outputs                 # every output, into out/results/outputs/
     python -m benchmarks.docs_outputs --record        # into docs/results/outputs/ (what the chapters show)

@@ -86,7 +86,7 @@ class StageProcess:
     port: int = field(default_factory=free_port)
     host: str = "127.0.0.1"
     without: tuple[str, ...] = ()
-    tree: Path = REPO  # the checkout the stage runs from (another commit's worktree: benchmarks/before_after)
+    tree: Path = REPO  # the checkout the stage runs from (another commit's worktree: compare --against)
     command: tuple[str, ...] = ()  # instead of `make stageN`'s (a profiled server: benchmarks/request_path)
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 

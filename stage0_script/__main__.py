@@ -6,7 +6,7 @@
     python -m stage0_script --bench                        # fp32 vs INT8: size, load, latency, items/s
 
 ``--bench`` prints a table (and writes its figures as JSON with ``--out``): the ceiling every
-later stage is measured against. ``make bench-stage0`` (benchmarks/stage0.py) records the same
+later stage is measured against. ``make results ONLY=stage0`` (benchmarks/stage0.py) records the same
 measurement, stamped, for the docs.
 """
 

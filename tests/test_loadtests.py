@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.compare_report import add_ratios
+from benchmarks.compare import add_ratios
 from common.serve import available_stages
 from loadtests.harness import Profile, classify_failures, percentile
 from tests.conftest import REPO, free_port
@@ -173,7 +173,7 @@ def test_a_wrong_vector_count_is_a_failure(tmp_path: Path) -> None:
     assert list(report["errors"]) == ["expected 3 vectors, got 2"]
 
 
-# --- make loadtest (web UI) and make loadtest-headless -------------------------------
+# --- make loadtest (web UI) and make loadtest HEADLESS=1 -------------------------------
 def test_make_loadtest_starts_the_stage_and_serves_the_web_ui(tmp_path: Path) -> None:
     stage, port, web = available_stages()[-1], free_port(), free_port()
     env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port)}
@@ -309,8 +309,27 @@ def test_compare_reports_a_stage_that_fails_and_exits_nonzero(tmp_path: Path) ->
     assert "**stage1_naive failed**" in (tmp_path / "compare.md").read_text()
 
 
+def test_compare_against_a_commit_takes_turns(tmp_path: Path) -> None:
+    """`make compare AGAINST=HEAD`, short: both commits' stage 1, two rounds in turns, the ratios."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compare", "--against", "HEAD", "--quick", "--rounds", "2",
+         "--stages", "1", "--profiles", "unique-1", "--duration", "1", "--warmup", "0.5",
+         "--out", str(tmp_path), "--raw", str(tmp_path / "raw")],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "before_after.json").read_text())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    assert result["parameters"]["before"] == head.strip() and result["parameters"]["rounds"] == 2
+    turns = [(p["round"], p["side"]) for p in result["points"]]
+    assert turns == [(0, "before"), (0, "after"), (1, "after"), (1, "before")]  # A B, then B A
+    (row,) = result["summary"]
+    assert row["stage"] == "stage1_naive" and row["ratio"] > 0 and len(row["round_ratios"]) == 2
+    assert "[start:ratios]" in (tmp_path / "before_after.md").read_text()
+
+
 def test_web_ui_screenshots(tmp_path: Path) -> None:
-    """`make loadtest-screenshots`, short: the start form, the charts and the table, as PNGs."""
+    """`make results ONLY=screenshots`, short: the start form, the charts and the table, as PNGs."""
     done = subprocess.run(
         [sys.executable, "-m", "loadtests.ui_screenshot", "--stage", available_stages()[-1], "--users", "4",
          "--seconds", "3", "--img", str(tmp_path), "--results", str(tmp_path)],
