@@ -39,6 +39,7 @@ from typing import Any
 
 import psutil
 
+from common import corpus
 from common.engine import Engine
 from common.serve import STAGES, available_stages, resolve
 from common.settings import Settings
@@ -47,7 +48,6 @@ from loadtests.evidence import save_figure
 from loadtests.harness import COMPARE_ENV, COMPARE_WITHOUT, PROFILES, Profile
 from loadtests.procs import free_port, running_stage
 from loadtests.tables import num, page, stage_label, table
-from stage0_script import corpus
 
 CEILING_SEED = 7
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64)

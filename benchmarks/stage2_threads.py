@@ -27,13 +27,13 @@ from typing import Any
 
 import orjson
 
+from common import corpus
 from common.settings import Settings
 from loadtests import evidence
 from loadtests.harness import settle
 from loadtests.httpload import post_requests, run_load
 from loadtests.procs import running_stage
 from loadtests.tables import page, table
-from stage0_script import corpus
 
 WORKERS = (1, 2)
 INTRA = (1, 2, 0)

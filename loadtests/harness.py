@@ -25,8 +25,8 @@ import httpx
 import orjson
 import psutil
 
+from common import corpus
 from loadtests.httpload import closed_loop, post_requests
-from stage0_script import corpus
 
 REPO = Path(__file__).resolve().parent.parent
 LOCUSTFILE = REPO / "loadtests" / "locustfile.py"

@@ -3,7 +3,7 @@
     make loadtest STAGE=3            # web UI at http://127.0.0.1:8089, pick a user class there
     locust -f loadtests/locustfile.py --headless -u 32 -r 32 -t 20s UniqueTextUser --host http://127.0.0.1:8000
 
-Every text comes from ``stage0_script.corpus`` with a seed, so two runs send the same requests. Each
+Every text comes from ``common.corpus`` with a seed, so two runs send the same requests. Each
 user class is one workload from the lessons:
 
 * ``UniqueTextUser``   every text new: every request is a cache miss (the model's real cost).
@@ -29,7 +29,7 @@ from typing import Any
 
 from locust import FastHttpUser, between, constant, events, task
 
-from stage0_script import corpus
+from common import corpus
 
 ENDPOINTS = ("/v1/embed", "/v1/embeddings")
 TEXT_KINDS = ("query", "sentence", "passage", "mixed")
@@ -176,7 +176,7 @@ class WaveUser(_EmbedUser):
 
 
 class MixedLengthUser(_EmbedUser):
-    """40% short queries, 45% sentences, 15% long passages, as ``stage0_script.corpus.mixed`` draws them."""
+    """40% short queries, 45% sentences, 15% long passages, as ``common.corpus.mixed`` draws them."""
 
     text_kind = "mixed"
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from common import corpus
 from common.engine import Engine
 from common.settings import get_settings
-from stage0_script import corpus
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 VARIANTS = ("fp32", "int8-dynamic", "int8-static")

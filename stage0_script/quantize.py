@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stage0_script import corpus
+from common import corpus
 
 
 # --8<-- [start:recipe]

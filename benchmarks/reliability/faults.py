@@ -33,9 +33,9 @@ import numpy as np
 import orjson
 import redis as redis_client
 
+from common import corpus
 from loadtests.httpload import Answer, closed_loop, post_requests
 from loadtests.procs import StageProcess, free_port, redis_server, running_stage
-from stage0_script import corpus
 
 
 async def drive(

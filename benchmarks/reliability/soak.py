@@ -44,11 +44,11 @@ import orjson
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from common import corpus
 from loadtests import evidence
 from loadtests.httpload import Answer, OpenLoop, closed_loop, post_requests
 from loadtests.procs import redis_server, running_stage
 from loadtests.tables import page, table
-from stage0_script import corpus
 
 STAGE = "stage5_metrics"
 LOAD_FACTOR = 0.7
