@@ -200,6 +200,7 @@ class ThinkingUser(_EmbedUser):
 
 # --- the load generator's own CPU, in the window Locust measures ---------------
 _window: dict[str, float] = {}
+PERCENTILES = (0.50, 0.95, 0.99)  # the run report carries these from Locust's stats
 
 
 @events.spawning_complete.add_listener
@@ -219,6 +220,7 @@ def _window_stop(environment: Any, **_: Any) -> None:
     errors: dict[str, int] = {}
     for e in environment.stats.errors.values():
         errors[str(e.error)] = errors.get(str(e.error), 0) + e.occurrences
+    total = environment.stats.total  # every request since the reset, Locust's own percentiles
     report = {
         **_window,
         "stop_wall": time.time(),
@@ -226,6 +228,8 @@ def _window_stop(environment: Any, **_: Any) -> None:
         "cpu_s": cpu,
         "cores": cpu / wall if wall > 0 else 0.0,
         "errors": errors,
+        "percentiles_ms": {str(q): total.get_response_time_percentile(q) for q in PERCENTILES},
+        "max_ms": total.max_response_time or 0.0,
     }
     with open(path, "w") as f:
         json.dump(report, f)
