@@ -205,7 +205,8 @@ def redis_answers(url: str) -> bool:
 
 @dataclass
 class RedisProcess:
-    """One redis-server on ``port``: ``stop``, ``start`` (same port, empty), ``pause``, ``resume``."""
+    """One redis-server on ``port``: ``start``, ``stop`` (a SIGKILL: a crash), ``start`` again (same
+    port, empty). The tests' own (tests/redis_support.py) can pause and resume it too."""
 
     port: int = field(default_factory=free_port)
     password: str | None = None
@@ -235,25 +236,10 @@ class RedisProcess:
             self.stop()
             raise RuntimeError(f"redis-server on port {self.port} did not start in {timeout} s") from None
 
-    def stop(self, kill: bool = True) -> None:
-        """SIGKILL (a crash) by default; ``kill=False`` sends SIGTERM."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.resume()  # a stopped (SIGSTOP) process would not act on SIGTERM
-        if kill:
-            self.process.kill()
-        else:
-            self.process.terminate()
-        self.process.wait(timeout=10)
-
-    def pause(self) -> None:
-        """SIGSTOP: connections stay open and nothing answers (a hung Redis)."""
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
+    def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGCONT)
+            self.process.kill()
+            self.process.wait(timeout=10)
 
 
 @contextmanager

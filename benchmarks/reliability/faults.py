@@ -76,7 +76,7 @@ def redis_restart(stage: str, log_dir: Path, phase_s: float = 3.0, workers: int 
                 load = asyncio.create_task(drive(server.url, workers, stop, body, outcomes))
                 await asyncio.sleep(phase_s)
                 killed = time.monotonic()
-                await asyncio.to_thread(redis.stop, True)  # SIGKILL: a crash, no goodbye
+                await asyncio.to_thread(redis.stop)  # SIGKILL: a crash, no goodbye
                 await asyncio.sleep(phase_s)
                 restarted = time.monotonic()
                 await asyncio.to_thread(redis.start)  # empty: persistence is off
