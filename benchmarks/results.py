@@ -49,9 +49,9 @@ class Step:
 # whole-system runs, then what is generated from code. A failed step is reported; the rest still run.
 STEPS: tuple[Step, ...] = (
     Step("model", "model build facts", "benchmarks.model_facts", ("model.json",), 0.1, 0.1),
-    # 2 models x 5 measurements x 2 s, and two model loads
+    # each model variant loaded and timed, 2 s a measurement (45 s last run)
     Step("stage0", "stage 0: fp32 and INT8 baseline", "benchmarks.stage0", ("stage0.json",), 1, 0.3),
-    # 4 recipes calibrated and scored on the STS dev pairs, each with its speed (6.0 min last run)
+    # every recipe of the study calibrated, scored on the STS dev pairs and timed (6.0 min last run)
     Step(
         "quantization",
         "stage 0: quantization study",
@@ -146,7 +146,7 @@ STEPS: tuple[Step, ...] = (
         2,
         0.5,
     ),
-    # about 20 commands against fresh servers, a few seconds each
+    # 19 commands, most against a server started fresh for each, a few seconds each
     Step(
         "docs-outputs",
         "what the chapters' commands print, against fresh servers",
@@ -155,7 +155,7 @@ STEPS: tuple[Step, ...] = (
         2,
         2,
     ),
-    # one server, 3 pictures after a few seconds of load each
+    # one server, Locust's UI under load, 3 pictures (41 s last run)
     Step("screenshots", "Locust's web UI, pictures", "loadtests.ui_screenshot", ("locust_ui.json",), 1, 0.7),
     # the bad-input catalogue, the fuzzer and the faults against every stage (1.8 min last run)
     Step(
@@ -168,7 +168,7 @@ STEPS: tuple[Step, ...] = (
     ),
     # 600 s of soak (the chapter's ten minutes) after 3 x 4 s of capacity and the warm-up
     Step("soak", "stage 5 with Redis for 10 minutes", "benchmarks.reliability.soak", ("soak.json",), 11, 1.5),
-    # 3 servers (1 and 2 replicas, plain stage 5) x 15 s points, a flood, the cluster's start (3.8 min)
+    # plain stage 5, the cluster with 1 and 2 replicas: capacity and a flood, 15 s a point (3.8 min)
     Step(
         "beyond",
         "stage 5 on the Ray cluster against plain stage 5 (the [cluster] extra)",
