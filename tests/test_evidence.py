@@ -157,7 +157,7 @@ def test_stamp_problems_name_every_reason() -> None:
     assert stamp_problems("a.json", None, now) == ["a.json: no stamp (not written by a stamped run)"]
     assert "uncommitted" in stamp_problems("a.json", _fresh_stamp(dirty=True), now)[0]
     assert "QUICK" in stamp_problems("a.json", _fresh_stamp(quick=True), now)[0]
-    assert "before results were stamped" in stamp_problems("a.json", {"legacy": True, "date": "d"}, now)[0]
+    assert "stamp without" in stamp_problems("a.json", {"date": "d"}, now)[0]
     old = _fresh_stamp(date="2001-01-01T00:00:00+00:00", commit="f" * 40)
     assert stamp_problems("a.json", old, now) == []  # age alone is never a reason
 
