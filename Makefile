@@ -126,7 +126,7 @@ $(VENV)/.cluster: pyproject.toml | $(VENV)/.installed
 	touch $@
 NEEDS_CLUSTER = $(if $(ONLY),$(findstring beyond,$(ONLY)),yes)
 
-## results: every results file, table and picture the docs include, in order (ONLY=stage3,soak: some steps; FROM=step: from there on; LIST=1: the steps and their times)
+## results: every results file, table and picture the docs include, in order (ONLY=stage3,soak: some steps; FROM=step: from there on; LIST=1: the steps and their estimates)
 results: setup tools $(if $(NEEDS_CLUSTER),$(VENV)/.cluster)
 	$(PY) -m benchmarks.results $(EVIDENCE) $(if $(ONLY),--only $(ONLY)) $(if $(FROM),--from $(FROM)) \
 		$(if $(LIST),--list) $(ARGS)
