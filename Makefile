@@ -1,4 +1,5 @@
-# The front door. `make stage5` and `make test` set everything up on a fresh machine.
+# The front door. `make stage5` and `make test` set everything up on a fresh machine; `make help`
+# lists every target. Knobs (QUICK=1, RECORD=1, STAGE=, ONLY=, ...) instead of one target a variant.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -10,8 +11,16 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 export HOST PORT
 
-.PHONY: setup model stage0 stage1 stage2 stage3 stage4 stage5 test tools lint format clean
+.DEFAULT_GOAL := help
+.PHONY: help setup model stage0 stage1 stage2 stage3 stage4 stage5 loadtest clean test tools lint fuzz exercise
 
+# `make help`: the lines that start with `##` (a target) under those that start with `#>` (a group).
+help:
+	@awk '/^#> /{printf "\n%s\n", substr($$0, 4)} \
+		/^## /{line = substr($$0, 4); i = index(line, ": "); \
+		printf "  %-16s %s\n", substr(line, 1, i - 1), substr(line, i + 2)}' $(MAKEFILE_LIST)
+
+#> run: set up, serve a stage, load it
 ## setup: create .venv, install the project with its build and dev extras, build the model if missing
 setup: $(VENV)/.installed $(MODEL_DIR)/manifest.json
 
@@ -31,13 +40,27 @@ $(MODEL_DIR)/manifest.json: stage0_script/build_model.py | $(VENV)/.installed
 model: $(VENV)/.installed
 	$(PY) -m stage0_script.build_model $(if $(STSB),--stsb $(STSB))
 
-## stage0: embed texts from the command line (ARGS="--bench" for the baseline benchmark)
+## stage0 .. stage5: stage 0 embeds ARGS="some text" (ARGS=--bench: its baseline); 1-5 serve on HOST:PORT
 stage0: setup
 	$(PY) -m stage0_script $(ARGS)
 
 stage1 stage2 stage3 stage4 stage5: setup
 	$(PY) -m common.serve $@
 
+STAGE ?= 5
+WEB_PORT ?= 8089
+PROFILE ?= unique-32
+DURATION ?= 30
+## loadtest: Locust's web UI on WEB_PORT against HOST:PORT, starting stage STAGE if nothing answers (HEADLESS=1: PROFILE for DURATION s, files in out/loadtest/)
+loadtest: setup
+	$(PY) -m loadtests.run --stage $(STAGE) --web-port $(WEB_PORT) \
+		$(if $(HEADLESS),--headless --profile $(PROFILE) --duration $(DURATION)) $(ARGS)
+
+## clean: remove .venv, the model and every cache
+clean:
+	rm -rf $(VENV) models site .pytest_cache .mypy_cache .ruff_cache
+
+#> test: the suite and its checks
 # The programs the tests and the measuring kit run, each from Debian's package of the same name
 # (nothing is downloaded). `make tools` installs the ones this machine lacks, in one apt-get call;
 # tests/test_tools.py checks that every program a test or the kit starts is in this list.
@@ -54,155 +77,18 @@ tools:
 test: setup tools
 	$(PY) -m pytest
 
+## lint: ruff (check and format) and mypy (FIX=1: reformat and fix what ruff can first)
 lint: $(VENV)/.installed
+	$(if $(FIX),$(PY) -m ruff format . && $(PY) -m ruff check --fix .)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-format: $(VENV)/.installed
-	$(PY) -m ruff format .
-	$(PY) -m ruff check --fix .
-
-clean:
-	rm -rf $(VENV) models site .pytest_cache .mypy_cache .ruff_cache
-
-# --- measurements (loadtests/ is the kit, benchmarks/ the experiments; docs/benchmarking.md) ----
-# A reader's run writes out/ (git-ignored) and prints its figures beside the committed ones.
-# QUICK=1: the short form (seconds per point). RECORD=1: write docs/results/ and docs/img/ (the
-# committed evidence), from a clean tree only unless ALLOW_DIRTY=1 (the stamp then says so).
-STAGE ?= 5
-WEB_PORT ?= 8089
-PROFILE ?= unique-32
-DURATION ?= 30
-EVIDENCE = $(if $(QUICK),--quick) $(if $(RECORD),--record) $(if $(ALLOW_DIRTY),--allow-dirty)
-.PHONY: results loadtest loadtest-headless loadtest-screenshots compare bench bench-stage0 bench-stage2 \
-	bench-stage3 bench-stage3-refinements bench-stage4 bench-stage5 stage5-overhead bench-layers bench-flood bench-windows bench-request-path before-after \
-	dashboard-screenshot quant-study settings-doc evidence-check docs-outputs bench-cost-model
-
-## results: every results file, table and plot the docs include, in order (QUICK=1: briefly, into out/)
-results: setup tools
-	$(PY) -m benchmarks.results $(EVIDENCE) $(if $(ONLY),--only $(ONLY)) $(if $(FROM),--from $(FROM))
-
-## evidence-check: is docs/results/ current (stamped, clean, today's defaults), and is every prose number in it
-evidence-check: $(VENV)/.installed
-	$(PY) -m benchmarks.evidence_check
-
-## loadtest: Locust's web UI on port WEB_PORT against HOST:PORT (starts stage STAGE if nothing answers)
-loadtest: setup
-	$(PY) -m loadtests.run --stage $(STAGE) --web-port $(WEB_PORT) $(ARGS)
-
-## loadtest-headless: one fixed profile (PROFILE, DURATION s) against stage STAGE; CSV/JSON in out/loadtest/
-loadtest-headless: setup
-	$(PY) -m loadtests.run --stage $(STAGE) --headless --profile $(PROFILE) --duration $(DURATION) $(ARGS)
-
-## loadtest-screenshots: pictures of Locust's web UI against stage STAGE (Chromium; 1-2 min)
-loadtest-screenshots: setup tools
-	$(PY) -m loadtests.ui_screenshot --stage $(STAGE) $(EVIDENCE) $(ARGS)
-
-## compare: every stage under the same Locust profiles, then the engine ceiling (~45 min; QUICK=1 ~6 min)
-compare: setup
-	$(PY) -m benchmarks.compare $(EVIDENCE) $(ARGS)
-
-## bench: pytest-benchmark microbenchmarks (~3 min; QUICK=1 ~1 min; COMPARE=1: against your last run)
-bench: setup
-	$(PY) -m benchmarks.micro $(EVIDENCE) $(if $(COMPARE),--compare) $(ARGS)
-
-## bench-stage0: stage 0's baseline, fp32 against INT8 (~1 min; QUICK=1 seconds)
-bench-stage0: setup
-	$(PY) -m benchmarks.stage0 $(EVIDENCE) $(ARGS)
-
-## quant-study: static INT8 recipes against fp32 and dynamic (~12 min; QUICK=1 ~3 min)
-quant-study: setup
-	$(PY) -m benchmarks.quantization $(EVIDENCE) $(if $(STSB),--stsb $(STSB)) $(ARGS)
-
-## bench-stage2: what the API contract costs, stage 1 vs 2, the thread sweep (~11 min; QUICK=1 ~2 min)
-bench-stage2: setup
-	$(PY) -m benchmarks.stage2_overhead $(EVIDENCE)
-	$(PY) -m benchmarks.stage2_threads $(EVIDENCE)
-
-## bench-stage3: stage 3 against stage 2 and the engine, batch size and window sweeps (~9 min; QUICK=1 ~3 min)
-bench-stage3: setup
-	$(PY) -m benchmarks.stage3 $(EVIDENCE) $(ARGS)
-
-## bench-stage3-refinements: what each stage 3 refinement changes, through the batcher alone (seconds)
-bench-stage3-refinements: setup
-	$(PY) -m benchmarks.stage3_refinements $(EVIDENCE) $(ARGS)
-
-## bench-stage4: cache hit latency by tier, pooled vs per-command Redis, repeats, overload (~3 min; QUICK=1 ~1 min)
-bench-stage4: setup
-	$(PY) -m benchmarks.stage4 $(EVIDENCE) $(ARGS)
-
-## bench-stage5: what metrics, logs and the dashboard cost, stage 5 vs stage 4; the middleware kind (~7 min; QUICK=1 ~2 min)
-bench-stage5 stage5-overhead: setup
-	$(PY) -m benchmarks.stage5 $(EVIDENCE) $(ARGS)
-	$(PY) -m benchmarks.stage5_middleware $(EVIDENCE)
-
-## dashboard-screenshot: the stage 5 dashboard after a minute of traffic (Chromium; QUICK=1: 10 s)
-dashboard-screenshot: setup tools
-	$(PY) -m benchmarks.stage5_screenshot $(EVIDENCE) $(ARGS)
-
-## before-after: the stages of BEFORE (default: before the layout) and of this checkout, in turns (~45 min)
-before-after: setup
-	$(PY) -m benchmarks.before_after $(EVIDENCE) $(if $(BEFORE),--before $(BEFORE)) $(ARGS)
-
-## bench-layers: stages 2 to 5 in turns on all-unique texts, the engine as yardstick (~14 min; QUICK=1 ~1 min)
-bench-layers: setup tools
-	$(PY) -m benchmarks.layers $(EVIDENCE) $(ARGS)
-
-## bench-request-path: a lone request's Python calls on each stage's event loop, by where they are, and stage 5's by layer (~6 min; QUICK=1 ~2 min)
-bench-request-path: setup tools
-	$(PY) -m benchmarks.request_path $(EVIDENCE) $(ARGS)
-
-## bench-windows: stage 3's load-tier windows swept at 8, 32 and 128 connections (~8 min; QUICK=1 ~1 min)
-bench-windows: setup tools
-	$(PY) -m benchmarks.windows $(EVIDENCE) $(ARGS)
-
-## bench-flood: stage 5 under a 200-client flood, polite and impolite clients, by SHED_DELAY_MS (~6 min)
-bench-flood: setup tools
-	$(PY) -m benchmarks.flood $(EVIDENCE) $(ARGS)
-
-## bench-cost-model: the cost model's constants and its prediction for every stage (~2 min; QUICK=1 ~30 s)
-bench-cost-model: setup tools
-	$(PY) -m benchmarks.cost_model $(EVIDENCE) $(ARGS)
-
-## docs-outputs: what the commands in the chapters print, captured against fresh servers (~2 min)
-docs-outputs: setup
-	$(PY) -m benchmarks.docs_outputs $(EVIDENCE) $(if $(ONLY),--only $(ONLY)) $(ARGS)
-
-## settings-doc: regenerate the settings table of docs/operating.md from common/settings.py
-settings-doc: $(VENV)/.installed
-	$(PY) -m benchmarks.settings_doc
-
-# --- docs site (docs/) -------------------------------------------------------------------
-.PHONY: docs docs-build
-
-DOCS_PORT ?= 8001
-
-## docs: serve the tutorial site on 127.0.0.1:DOCS_PORT (rebuilds on save)
-docs: $(VENV)/.installed
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve -a 127.0.0.1:$(DOCS_PORT)
-
-## docs-build: build the site strictly into site/ (what the docs test does in a temporary folder)
-docs-build: $(VENV)/.installed
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
-
-# --- hardening: fuzzing, soak, faults, reliability report (docs/reliability.md) --------------
 FUZZ_EXAMPLES ?= 500
-SOAK_SECONDS ?=
-.PHONY: fuzz soak reliability
-
 ## fuzz: schemathesis on every stage, batcher properties and the bad-input catalogue, FUZZ_EXAMPLES each
 fuzz: setup
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -p no:cacheprovider \
 		tests/test_fuzz_schema.py tests/test_properties_batcher.py tests/test_bad_input.py $(ARGS)
-
-## soak: stage 5 + Redis at 70% of capacity for 10 minutes (SOAK_SECONDS=...; QUICK=1: 60 s at 50%)
-soak: setup
-	$(PY) -m benchmarks.reliability.soak $(EVIDENCE) $(if $(SOAK_SECONDS),--duration $(SOAK_SECONDS)) $(ARGS)
-
-## reliability: bad input, fuzz and faults against every stage, counted (~8 min; QUICK=1 ~5 min)
-reliability: setup
-	$(PY) -m benchmarks.reliability.reliability $(EVIDENCE) $(ARGS)
 
 # --- exercises: build the key piece of stages 2, 3 and 4 yourself (exercises/README.md) -------
 # The stage's own tests, run against your file (or, with SOLUTION=1, against the stage itself).
@@ -220,7 +106,6 @@ EXERCISE_STAGE_3 := stage3_batching
 EXERCISE_TESTS_4 := tests/test_stage4_cache.py tests/test_stage4_backend.py
 EXERCISE_ONLY_4 := lru or (test_stage4_backend and not drain)
 EXERCISE_STAGE_4 := stage4_cache_backpressure
-.PHONY: exercise
 
 ## exercise: run stage STAGE's own tests against exercises/ (SOLUTION=1: against the stage itself)
 exercise: setup
@@ -229,13 +114,45 @@ exercise: setup
 		$(PY) -m pytest -p no:cacheprovider -q $(if $(SOLUTION),,-x) $(EXERCISE_TESTS_$(STAGE)) \
 		$(if $(EXERCISE_ONLY_$(STAGE)),-k "$(EXERCISE_ONLY_$(STAGE))") $(ARGS)
 
-# --- beyond one machine: Ray Serve across nodes, the image, the fleet (docs/beyond.md) ----------
-.PHONY: cluster cluster-down cluster-status bench-cluster
+#> measure: the evidence the chapters quote (docs/benchmarking.md)
+# loadtests/ is the kit, benchmarks/ the experiments. A reader's run writes out/ (git-ignored) and
+# prints its figures beside the committed ones. QUICK=1: the short form (seconds per point).
+# RECORD=1: write docs/results/ and docs/img/ (the committed evidence), from a clean tree only
+# unless ALLOW_DIRTY=1 (the stamp then says so).
+EVIDENCE = $(if $(QUICK),--quick) $(if $(RECORD),--record) $(if $(ALLOW_DIRTY),--allow-dirty)
+SOAK_SECONDS ?=
+.PHONY: results compare bench soak evidence-check
 
-# Ray is an optional extra: only these targets (and the cluster tests) install it.
+# Ray is an optional extra: only the cluster, its benchmark (the results step `beyond`) and the
+# cluster tests install it.
 $(VENV)/.cluster: pyproject.toml | $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[cluster]'
 	touch $@
+NEEDS_CLUSTER = $(if $(ONLY),$(findstring beyond,$(ONLY)),yes)
+
+## results: every results file, table and picture the docs include, in order (ONLY=stage3,soak: some steps; FROM=step: from there on; LIST=1: the steps and their estimates)
+results: setup tools $(if $(NEEDS_CLUSTER),$(VENV)/.cluster)
+	$(PY) -m benchmarks.results $(EVIDENCE) $(if $(ONLY),--only $(ONLY)) $(if $(FROM),--from $(FROM)) \
+		$(if $(LIST),--list) $(ARGS)
+
+## compare: every stage under the same Locust profiles, then the engine ceiling (AGAINST=commit: that commit's stages and this checkout's, in turns)
+compare: setup
+	$(PY) -m benchmarks.compare $(EVIDENCE) $(if $(AGAINST),--against $(AGAINST)) $(ARGS)
+
+## bench: pytest-benchmark microbenchmarks (COMPARE=1: against your last run)
+bench: setup
+	$(PY) -m benchmarks.micro $(EVIDENCE) $(if $(COMPARE),--compare) $(ARGS)
+
+## soak: stage 5 + Redis at 70% of capacity for 10 minutes (SOAK_SECONDS=...; QUICK=1: 60 s at 50%)
+soak: setup
+	$(PY) -m benchmarks.reliability.soak $(EVIDENCE) $(if $(SOAK_SECONDS),--duration $(SOAK_SECONDS)) $(ARGS)
+
+## evidence-check: is docs/results/ current (stamped, clean, today's defaults), and is every prose number in it
+evidence-check: $(VENV)/.installed
+	$(PY) -m benchmarks.evidence_check
+
+#> deploy: beyond one machine, Ray Serve across nodes (docs/beyond.md)
+.PHONY: cluster cluster-down cluster-status
 
 ## cluster: two Ray nodes here (head + worker), stage 5 on Ray Serve with one replica a node, on HOST:PORT
 cluster: setup $(VENV)/.cluster
@@ -249,6 +166,10 @@ cluster-down:
 cluster-status:
 	$(PY) -m deploy.ray.cluster status
 
-## bench-cluster: the cluster (1 and 2 replicas) against plain stage 5: capacity, CPU a request, a flood (~6 min)
-bench-cluster: setup $(VENV)/.cluster
-	$(PY) -m benchmarks.beyond $(EVIDENCE) $(ARGS)
+#> docs: the tutorial site (docs/)
+.PHONY: docs
+DOCS_PORT ?= 8001
+
+## docs: serve the tutorial site on 127.0.0.1:DOCS_PORT, rebuilding on save (BUILD=1: build it strictly into site/)
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs $(if $(BUILD),build --strict,serve -a 127.0.0.1:$(DOCS_PORT))

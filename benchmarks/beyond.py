@@ -1,4 +1,4 @@
-"""`make bench-cluster`: stage 5 on the Ray cluster against plain stage 5, on this machine (docs/beyond.md).
+"""`make results ONLY=beyond`: stage 5 on the Ray cluster against plain stage 5, here (docs/beyond.md).
 
     python -m benchmarks.beyond            # about 6 minutes
     python -m benchmarks.beyond --quick    # about 3 minutes, seconds per point
@@ -35,13 +35,13 @@ from typing import Any
 import orjson
 import psutil
 
+from common.corpus import texts as corpus_texts
 from deploy.ray import nodes
 from deploy.ray.settings import ClusterSettings
 from loadtests import evidence
 from loadtests.httpload import closed_loop, percentile_ms, post_requests
 from loadtests.procs import free_port, running_stage
 from loadtests.tables import num, page, table
-from stage0_script.corpus import texts as corpus_texts
 
 REPO = evidence.REPO
 MAX_QUEUE = 64  # texts one server (one replica) holds before refusing: small against 200 connections

@@ -1,40 +1,66 @@
 """`make compare`: every server stage under the same Locust profiles, in one run, on one machine.
 
-    python -m benchmarks.compare            # full: 20 s per point, about 45 minutes (a quiet machine)
-    python -m benchmarks.compare --quick    # a few seconds per point, about 6 minutes
-    python -m benchmarks.compare --record   # the same, written to docs/results/ and docs/img/
+    python -m benchmarks.compare                    # 10 s per point, about 10 minutes (a quiet machine)
+    python -m benchmarks.compare --quick            # a few seconds per point, about 4 minutes
+    python -m benchmarks.compare --record           # the same, written to docs/results/ and docs/img/
+    python -m benchmarks.compare --against 8f0f03d  # that commit's stages and this checkout's, in turns
 
 For each stage that exists: start it with the command `make stageN` runs, warm it up, run every
 profile in ``harness.PROFILES`` as one headless Locust process, stop it. Then measure the engine
 alone on the same texts (the ceiling no server can beat without a cache). Absolute numbers
 depend on the machine and on whatever else runs on it; ratios inside one run are the result.
+
+``--against COMMIT`` (``make compare AGAINST=...``) answers another question: did a change make a
+stage slower? Two runs of ``make compare`` an hour apart measure the machine's drift as much as
+the change (on a shared 2-core machine the engine alone moved by a fifth between two such runs).
+So each stage of the two commits runs the same profiles in turns: A B in the first round, B A in
+the second, so that a drift hits both alike and neither always goes first. The other commit is
+checked out into a git worktree under out/ (its own code, this venv and model); the load
+generator is this checkout's. Per stage and profile: the median requests/s of each commit over
+the rounds, the ratio after / before, and each round's ratio (their spread is the noise a single
+ratio carries). A point is flagged when it loses more than 5 % in every round; a median under
+0.95 that one round contradicts is the machine's noise.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
+import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from benchmarks import compare_report as report
+from common import corpus
 from common.engine import Engine
 from common.serve import STAGES, available_stages, resolve
 from common.settings import Settings
 from loadtests import evidence, harness
+from loadtests.evidence import save_figure
 from loadtests.harness import COMPARE_ENV, COMPARE_WITHOUT, PROFILES, Profile
 from loadtests.procs import free_port, running_stage
-from stage0_script import corpus
+from loadtests.tables import num, page, stage_label, table
 
 CEILING_SEED = 7
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+# The last commit before the stage folders were re-laid out: what `make results` compares with.
+AGAINST = "8f0f03d"
+LOSS = 0.95  # after / before under this is a loss worth a look
+STAGE_LABELS = {
+    "stage1_naive": "1 naive",
+    "stage2_threadpool": "2 thread pool",
+    "stage3_batching": "3 batching",
+    "stage4_cache_backpressure": "4 cache + backpressure",
+    "stage5_metrics": "5 metrics",
+}
 
 
 # --8<-- [start:ceiling]
@@ -115,12 +141,22 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--duration", type=float, help="Seconds per point (default 20, quick 3).")
-    parser.add_argument("--warmup", type=float, help="Seconds of warm-up per stage (default 10, quick 1).")
+    parser.add_argument(
+        "--against",
+        metavar="COMMIT",
+        help=f"Another commit's stages and these, in turns ({AGAINST}: the layout).",
+    )
+    parser.add_argument("--rounds", type=int, help="With --against: rounds, each commit once (2, quick 1).")
+    parser.add_argument(
+        "--duration", type=float, help="Seconds per point (10, quick 3; --against 6, quick 2)."
+    )
+    parser.add_argument(
+        "--warmup", type=float, help="Seconds of warm-up per stage (5, quick 1; --against 3)."
+    )
     parser.add_argument(
         "--stop-timeout",
         type=float,
-        help="Seconds Locust waits for requests in flight (default 30, quick 10).",
+        help="Seconds Locust waits for requests in flight (30, quick 10; --against 10).",
     )
     parser.add_argument("--ceiling-seconds", type=float, help="Seconds per batch size for the ceiling.")
     parser.add_argument("--stages", help="Comma-separated stages (default: every stage that exists).")
@@ -142,9 +178,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     evidence.add_arguments(parser)
     args = parser.parse_args(argv)
-    args.duration = args.duration or (3.0 if args.quick else 20.0)
-    args.warmup = args.warmup if args.warmup is not None else (1.0 if args.quick else 10.0)
-    args.stop_timeout = args.stop_timeout if args.stop_timeout is not None else (10.0 if args.quick else 30.0)
+    # The defaults the committed compare.json was measured with; --against has twice the points
+    # (and every round again), so shorter ones: its question is a ratio, not a curve.
+    long, quick = (
+        ((6.0, 3.0, 10.0), (2.0, 1.0, 10.0)) if args.against else ((10.0, 5.0, 30.0), (3.0, 1.0, 10.0))
+    )
+    duration, warmup, stop_timeout = quick if args.quick else long
+    args.duration = args.duration or duration
+    args.warmup = args.warmup if args.warmup is not None else warmup
+    args.stop_timeout = args.stop_timeout if args.stop_timeout is not None else stop_timeout
+    # Two rounds is the fewest in which each commit goes first once.
+    args.rounds = args.rounds or (1 if args.quick else 2)
     args.ceiling_seconds = args.ceiling_seconds or (0.5 if args.quick else 3.0)
     return args
 
@@ -190,6 +234,151 @@ def run_stage(
     return results
 
 
+# --- the report: compare.md and its two pictures -------------------------------------
+
+
+def add_ratios(
+    points: list[dict[str, Any]], profiles: Sequence[Profile], ceiling: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Per point: throughput over the previous stage's (same profile), and over the engine ceiling."""
+    by_profile = {p.name: p for p in profiles}
+    previous: dict[str, dict[str, Any]] = {}
+    for point in points:  # in stage order
+        profile = by_profile[point["profile"]]
+        before = previous.get(point["profile"])
+        point["ratio_to_previous"] = point["rps"] / before["rps"] if before and before["rps"] > 0 else None
+        point["previous_stage"] = before["stage"] if before else None
+        limit = ceiling[profile.text_kind]["texts_per_s"]
+        point["ceiling_rps"] = limit / profile.texts_per_request
+        point["fraction_of_ceiling"] = point["rps"] / point["ceiling_rps"] if limit > 0 else None
+        previous[point["profile"]] = point
+    return points
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """compare.md: the machine, the engine ceiling, one table per profile, the load generator's share."""
+    params = result["parameters"]
+    note = (
+        f"{params['duration_s']:g} s per point after {params['warmup_s']:g} s of warm-up per stage;"
+        " every stage with the same texts."
+    )
+    if result["skipped_stages"]:
+        note += f" Skipped (not in this checkout): {', '.join(result['skipped_stages'])}."
+    for stage, error in result.get("failed_stages", {}).items():
+        note += f"\n\n**{stage} failed** and has no figures: {error}"
+    sections: dict[str, list[str]] = {}
+    sections["ceiling"] = table(
+        ["texts", "engine alone, texts/s", "best batch", "calls side by side"],
+        [
+            (kind, num(c["texts_per_s"]), c["best_batch"], c.get("best_calls_at_once", 1))
+            for kind, c in result["engine_ceiling"].items()
+        ],
+    )
+    for profile in result["profiles"]:
+        rows = [p for p in result["points"] if p["profile"] == profile["name"]]
+        if not rows:
+            continue
+        extra = " ".join(profile["options"])
+        sections[profile["name"]] = [
+            f"`{profile['user_class']}`, {_n(profile['users'], 'user')},"
+            f" {_n(profile['texts_per_request'], 'text')} per request,"
+            f" {profile['text_kind']} texts{', ' + extra if extra else ''}.",
+            "",
+            *table(
+                ["stage", "req/s", "p50 ms", "p99 ms", "failed: 503 / other", "× previous", "of ceiling",
+                 "cores: server / Locust / other"],
+                [
+                    (STAGE_LABELS.get(p["stage"], p["stage"]), num(p["rps"]), num(p["p50_ms"], 0),
+                     num(p["p99_ms"], 0), f"{p['failures']['503']} / {p['failures']['other']}",
+                     num(p["ratio_to_previous"], 2, "×"), num(_pct(p["fraction_of_ceiling"]), 0, "%"),
+                     f"{p['server_cores']:.2f} / {p['loadgen_cores']:.2f} / {p['other_cores']:.2f}")
+                    for p in rows
+                ],
+            ),
+        ]  # fmt: skip
+    points = result["points"]
+    if points:
+        loadgen = [p["loadgen_cores"] for p in points]
+        other = [p["other_cores"] for p in points]
+        sections["loadgen"] = [
+            f"The load generator (one Locust process) used {min(loadgen):.2f} to {max(loadgen):.2f}"
+            f" cores per point (mean {sum(loadgen) / len(loadgen):.2f}); everything else on the"
+            f" machine used {min(other):.2f} to {max(other):.2f} cores in the same windows.",
+        ]
+    return page(result["stamp"], sections, note)
+
+
+def _pct(value: float | None) -> float | None:
+    return None if value is None else 100 * value
+
+
+def plots(result: dict[str, Any], folder: Path) -> list[Path]:
+    """Throughput and p99 per stage: unique texts by user count (left), the other profiles (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = result["points"]
+    stages = result["stages"]
+    unique = [p for p in result["profiles"] if p["user_class"] == "UniqueTextUser"]
+    others = [p["name"] for p in result["profiles"] if p["user_class"] != "UniqueTextUser"]
+    written = []
+    for key, label, name, log in (
+        ("rps", "requests/s", "compare_throughput.png", False),
+        ("p99_ms", "p99 latency (ms)", "compare_p99.png", True),
+    ):
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), width_ratios=(1, 1.3))
+        for stage in stages:
+            xs = [p["users"] for p in unique]
+            ys = [
+                next((q[key] for q in points if q["stage"] == stage and q["profile"] == p["name"]), None)
+                for p in unique
+            ]
+            pairs = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
+            if pairs:
+                left.plot(*zip(*pairs, strict=True), marker="o", label=STAGE_LABELS.get(stage, stage))
+        left.set_xscale("log", base=2)
+        left.set_xticks([p["users"] for p in unique], [str(p["users"]) for p in unique])
+        left.minorticks_off()
+        left.set_xlabel("concurrent users (unique texts)")
+        left.set_ylabel(label)
+        if log:
+            left.set_yscale("log")
+        left.grid(alpha=0.3)
+        width = 0.8 / max(len(stages), 1)
+        for i, stage in enumerate(stages):
+            ys = [
+                next((q[key] for q in points if q["stage"] == stage and q["profile"] == n), 0.0)
+                for n in others
+            ]
+            right.bar(
+                [j + i * width for j in range(len(others))], ys, width, label=STAGE_LABELS.get(stage, stage)
+            )
+        right.set_xticks([j + 0.4 - width / 2 for j in range(len(others))], others, fontsize=8)
+        right.set_ylabel(label)
+        if log:
+            right.set_yscale("log")
+        right.grid(alpha=0.3, axis="y")
+        for ax in (left, right):  # one legend, on the first panel that has anything in it
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+                break
+        stamp = result["stamp"]
+        tag = " (QUICK run)" if stamp.get("quick") else ""
+        fig.suptitle(
+            f"{label} per stage, {stamp['machine']['cpu_model']}, {stamp['date'][:10]}{tag}", fontsize=10
+        )
+        fig.tight_layout()
+        written.append(save_figure(fig, folder / name, stamp))
+        plt.close(fig)
+    return written
+
+
 def headline(result: dict[str, Any]) -> dict[str, float]:
     """The figures a reader's run is compared with: unique-32 per stage, and the engine alone."""
     out = {f"{p['stage']} unique-32 req/s": p["rps"] for p in result["points"] if p["profile"] == "unique-32"}
@@ -197,18 +386,164 @@ def headline(result: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+# --- --against: two commits in turns (before_after.json) -------------------------------
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=evidence.REPO, capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+@contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    """``rev`` checked out beside this repository (under out/), with this checkout's model."""
+    sha = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    path = evidence.OUT / "against" / sha[:12]
+    if path.exists():
+        _git("worktree", "remove", "--force", str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _git("worktree", "add", "--detach", str(path), sha)
+    try:
+        (path / "models").symlink_to(evidence.REPO / "models", target_is_directory=True)
+        yield path
+    finally:
+        _git("worktree", "remove", "--force", str(path))
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _stages(tree: Path, wanted: Sequence[str]) -> list[str]:
+    return [s for s in wanted if (tree / s / "app.py").is_file() and (evidence.REPO / s / "app.py").is_file()]
+
+
+def in_turns(args: argparse.Namespace, profiles: list[Profile], before: Path) -> list[dict[str, Any]]:
+    trees = {"before": before, "after": evidence.REPO}
+    points: list[dict[str, Any]] = []
+    for round_ in range(args.rounds):
+        order = ("before", "after") if round_ % 2 == 0 else ("after", "before")
+        for stage in args.stages:
+            for side in order:
+                print(f"round {round_ + 1}/{args.rounds}: {stage}, {side}", flush=True)
+                for point in run_stage(stage, profiles, args, trees[side], label=side):
+                    points.append({**point, "side": side, "round": round_})
+    return points
+
+
+def summarize(
+    points: list[dict[str, Any]], stages: Sequence[str], profiles: Sequence[str]
+) -> list[dict[str, Any]]:
+    rows = []
+    for stage in stages:
+        for profile in profiles:
+            mine = [p for p in points if p["stage"] == stage and p["profile"] == profile]
+            if not mine:
+                continue
+            side = {s: [p for p in mine if p["side"] == s] for s in ("before", "after")}
+            rps = {s: statistics.median(p["rps"] for p in side[s]) for s in side}
+            p99 = {s: statistics.median(p["p99_ms"] for p in side[s]) for s in side}
+            by_round = {(p["side"], p["round"]): p["rps"] for p in mine}
+            rounds = [
+                _ratio(by_round["after", r], by_round["before", r])
+                for r in sorted({p["round"] for p in mine})
+            ]
+            ratio = _ratio(rps["after"], rps["before"])
+            rows.append({
+                "stage": stage, "profile": profile, "before_rps": rps["before"], "after_rps": rps["after"],
+                "ratio": ratio, "round_ratios": rounds, "before_p99_ms": p99["before"],
+                "after_p99_ms": p99["after"],
+                # a loss in every round, not a median dragged down by one noisy round
+                "loses": bool(rounds) and all(r is not None and r < LOSS for r in rounds),
+            })  # fmt: skip
+    return rows
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None
+
+
+def against_markdown(result: dict[str, Any]) -> str:
+    rows = [
+        (
+            stage_label(r["stage"]), r["profile"], num(r["before_rps"], 0), num(r["after_rps"], 0),
+            f"{r['ratio']:.2f}×" if r["ratio"] is not None else "–",
+            ", ".join(f"{x:.2f}" for x in r["round_ratios"] if x is not None),
+            num(r["before_p99_ms"], 0), num(r["after_p99_ms"], 0), "**yes**" if r["loses"] else "",
+        )
+        for r in result["summary"]
+    ]  # fmt: skip
+    headers = ["stage", "profile", "before req/s", "after req/s", "after / before", "each round",
+               "before p99 ms", "after p99 ms", "loses > 5 % in every round"]  # fmt: skip
+    losses = [r for r in result["summary"] if r["loses"]]
+    p = result["parameters"]
+    note = (
+        f"Before: commit `{p['before'][:7]}`; after: commit `{str(result['stamp'].get('commit'))[:7]}`."
+        f" Every stage and profile of `make compare`, {p['duration_s']:g} s a point, {p['rounds']} rounds"
+        " taken in turns (A B, B A, ...), medians."
+    )
+    verdict = [
+        f"{len(losses)} of {len(result['summary'])} points lose more than 5 % in every round"
+        f" (after / before under {LOSS})"
+        + (": " + "; ".join(f"{stage_label(r['stage'])} {r['profile']}" for r in losses) if losses else ".")
+    ]
+    return (
+        page(
+            result["stamp"],
+            {"ratios": table(headers, rows, "llrrrlrrl"), "verdict": verdict},
+            note,
+        )
+        + "\n"
+    )
+
+
+def against_headline(result: dict[str, Any]) -> dict[str, float]:
+    return {
+        f"{stage_label(r['stage'])} {r['profile']}: after / before": r["ratio"]
+        for r in result["summary"]
+        if r["ratio"] is not None and r["profile"] == "unique-32"
+    }
+
+
+def against(
+    args: argparse.Namespace, run: evidence.Run, profiles: list[Profile], wanted: Sequence[str]
+) -> dict[str, Any]:
+    """``args.against``'s stages and this checkout's, in turns: before_after.json and .md."""
+    args.raw = args.raw / "against"
+    with worktree(args.against) as before:
+        args.stages = stages = _stages(before, wanted)
+        before_sha = _git("-C", str(before), "rev-parse", "HEAD")
+        points = in_turns(args, profiles, before)
+    names = [p.name for p in profiles]
+    result = {
+        "stamp": run.stamp(COMPARE_ENV, COMPARE_WITHOUT),
+        "parameters": {
+            "before": before_sha,
+            "duration_s": args.duration,
+            "warmup_s": args.warmup,
+            "rounds": args.rounds,
+            "stages": stages,
+            "profiles": names,
+            "server_env": COMPARE_ENV,
+        },
+        "points": points,
+        "summary": summarize(points, stages, names),
+    }
+    evidence.publish(run, args.out, "before_after", result, against_markdown, against_headline)
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
     run = evidence.start("benchmarks.compare", args, argv)
+    profiles = select_profiles(args.profiles, args.users)
+    if args.endpoint != "/v1/embed":
+        profiles = [replace(p, options=(*p.options, "--endpoint", args.endpoint)) for p in profiles]
     wanted = [resolve(s.strip()) for s in args.stages.split(",")] if args.stages else list(STAGES)
+    if args.against:
+        return against(args, run, profiles, wanted)
     present = set(available_stages())
     stages = [s for s in wanted if s in present]
     skipped = [s for s in wanted if s not in present]
     for s in skipped:
         print(f"{s}: skipped, it does not exist in this checkout yet", flush=True)
-    profiles = select_profiles(args.profiles, args.users)
-    if args.endpoint != "/v1/embed":
-        profiles = [replace(p, options=(*p.options, "--endpoint", args.endpoint)) for p in profiles]
 
     points: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
@@ -244,13 +579,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "failed_stages": failed,
         "profiles": [{**vars(p), "options": list(p.options)} for p in profiles],
         "engine_ceiling": ceiling,
-        "points": report.add_ratios(points, profiles, ceiling),
+        "points": add_ratios(points, profiles, ceiling),
     }
     out, img = args.out or run.results_dir, args.img or run.img_dir
     written = [
         evidence.write_json(out / "compare.json", result),
-        evidence.write_text(out / "compare.md", report.markdown(result)),
-        *report.plots(result, img),
+        evidence.write_text(out / "compare.md", markdown(result)),
+        *plots(result, img),
     ]
     print("wrote " + ", ".join(str(p) for p in written), flush=True)
     evidence.against_reference(run, "compare.json", result, headline)
@@ -258,4 +593,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(1 if main()["failed_stages"] else 0)
+    sys.exit(1 if main().get("failed_stages") else 0)

@@ -44,6 +44,7 @@ from typing import Any
 import psutil
 
 from benchmarks.stage3 import bodies_for
+from common import corpus
 from common.engine import Engine
 from common.serve import STAGES  # every server stage, in order
 from common.settings import Settings
@@ -51,7 +52,6 @@ from loadtests import evidence, wrk
 from loadtests.harness import process_cpu, settle
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, stage_label, table
-from stage0_script import corpus
 
 NULL_STAGE = "benchmarks.null_backend"
 CONNECTIONS = (1, 32)

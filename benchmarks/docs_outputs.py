@@ -1,4 +1,4 @@
-"""What the commands in the chapters print, captured from real runs (`make docs-outputs`).
+"""What the commands in the chapters print, captured from real runs (`make results ONLY=docs-outputs`).
 
     python -m benchmarks.docs_outputs                 # every output, into out/results/outputs/
     python -m benchmarks.docs_outputs --record        # into docs/results/outputs/ (what the chapters show)
@@ -31,14 +31,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from common.serve import resolve
 from loadtests import evidence
-from loadtests.procs import redis_server, running_stage
+from loadtests.procs import running_stage
 from loadtests.tables import page, table
 
 FOLDER = "outputs"  # under the results folder: docs/results/outputs/<name>.txt
@@ -51,12 +50,8 @@ class Output:
 
     name: str  # the file: outputs/<name>.txt (lower case, digits and dashes)
     command: str  # bash, run from the repository root; a server's address is in $URL
-    stage: str | None = None  # "stage1" .. "stage5" (or a module such as "benchmarks.null_backend")
+    stage: str | None = None  # "stage1" .. "stage5": started fresh for this output alone
     env: Mapping[str, str] = field(default_factory=dict)  # the server's settings (its environment)
-    redis: bool = False  # a private Redis: CACHE_URL for the server, REDIS_URL for the command
-    setup: str = ""  # bash run first against the same server, not shown (say so in the chapter)
-    session: str | None = None  # outputs with the same session share one server, in manifest order
-    exit_codes: tuple[int, ...] = (0,)  # what the command may exit with
     any_order: bool = False  # its lines may come in any order (two commands that end together)
     timeout_s: float = 120.0
 
@@ -203,23 +198,11 @@ def shown(command: str) -> str:
     return "$ " + command
 
 
-def _command_env(url: str | None, redis_url: str | None) -> dict[str, str]:
+def run_command(output: Output, url: str | None) -> dict[str, Any]:
+    """Run ``output.command`` with ``URL`` set; what it printed, cut, and how it exited."""
     # A `make` started from `make results` would otherwise print "make[1]: Entering directory".
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-    env.pop("URL", None)
-    if url:
-        env["URL"] = url
-    if redis_url:
-        env["REDIS_URL"] = redis_url
-    return env
-
-
-def run_command(output: Output, url: str | None, redis_url: str | None = None) -> dict[str, Any]:
-    """Run ``output.command`` (after its setup); what it printed, cut, and how it exited."""
-    env = _command_env(url, redis_url)
-    if output.setup:
-        subprocess.run(["bash", "-c", output.setup], cwd=evidence.REPO, env=env, capture_output=True,
-                       timeout=output.timeout_s, check=True)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "URL")}
+    env.update({"URL": url} if url else {})
     started = time.monotonic()
     done = subprocess.run(
         ["bash", "-c", output.command],
@@ -231,7 +214,7 @@ def run_command(output: Output, url: str | None, redis_url: str | None = None) -
         timeout=output.timeout_s,
     )
     printed = cut(done.stdout.rstrip("\n"))
-    if done.returncode not in output.exit_codes:
+    if done.returncode != 0:
         raise RuntimeError(f"{output.name}: exit {done.returncode}\n{shown(output.command)}\n{printed}")
     return {
         "name": output.name,
@@ -244,33 +227,16 @@ def run_command(output: Output, url: str | None, redis_url: str | None = None) -
     }
 
 
-def _start(output: Output, stack: ExitStack) -> tuple[str | None, str | None]:
-    """(URL, Redis URL) for ``output``: its stage started (and a private Redis), or nothing;
-    ``stack`` stops them."""
-    redis_url = stack.enter_context(redis_server()).url if output.redis else None
-    if output.stage is None:
-        return None, redis_url
-    env = {**output.env, **({"CACHE_URL": redis_url} if redis_url else {})}
-    logs = evidence.OUT / "logs" / "docs_outputs"
-    # The reader's own API_KEY must not reach the server: the chapters' commands send none.
-    server = stack.enter_context(running_stage(resolve(output.stage), logs, env, without=("API_KEY",)))
-    return server.url, redis_url
-
-
 def capture(outputs: Sequence[Output]) -> Iterator[dict[str, Any]]:
-    """Each output's run, in manifest order: a fresh server each, except that the outputs of one
-    ``session`` share theirs (started for the first of them, stopped at the end)."""
-    with ExitStack() as sessions:
-        shared: dict[tuple[Any, ...], tuple[str | None, str | None]] = {}
-        for output in outputs:
-            if output.session is None:
-                with ExitStack() as stack:
-                    yield run_command(output, *_start(output, stack))
-                continue
-            key = (output.session, output.stage, tuple(sorted(output.env.items())), output.redis)
-            if key not in shared:
-                shared[key] = _start(output, sessions)
-            yield run_command(output, *shared[key])
+    """Each output's run, in manifest order, each against a server of its own started fresh."""
+    for output in outputs:
+        if output.stage is None:
+            yield run_command(output, None)
+            continue
+        logs = evidence.OUT / "logs" / "docs_outputs"
+        # The reader's own API_KEY must not reach the server: the chapters' commands send none.
+        with running_stage(resolve(output.stage), logs, output.env, without=("API_KEY",)) as server:
+            yield run_command(output, server.url)
 
 
 # --- shape: what a fresh run must keep ---------------------------------------------------

@@ -43,8 +43,6 @@ def stamp_problems(name: str, stamp: dict[str, Any] | None, fingerprint: str) ->
     """Why a results file with this stamp is not current evidence (empty: it is)."""
     if not stamp:
         return [f"{name}: no stamp (not written by a stamped run)"]
-    if stamp.get("legacy"):
-        return [f"{name}: measured before results were stamped ({str(stamp.get('date'))[:10]})"]
     missing = [k for k in ("commit", "dirty", "date", "command", "machine", "settings") if k not in stamp]
     if missing:
         return [f"{name}: stamp without {', '.join(missing)}"]
@@ -81,7 +79,7 @@ def stale_evidence(results: Path = evidence.RESULTS, img: Path = evidence.IMG) -
             continue
         stamp = json.loads((results / page.json).read_text()).get("stamp")
         problems += stamp_problems(page.json, stamp, fingerprint)
-        if not stamp or stamp.get("legacy"):
+        if not stamp:
             continue
         md = results / page.markdown
         problems += _same(
@@ -251,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prose or both:
         problems += unsourced_numbers(chapters(), Sources(known_numbers()))
     print("\n".join(problems) if problems else "the evidence is current; every number has a source")
-    if any("measured before" in p or "defaults changed" in p or "missing" in p for p in problems):
+    if any("defaults changed" in p or "missing" in p for p in problems):
         print("\n-> `make results` at a clean commit regenerates the results files", file=sys.stderr)
     return 1 if problems else 0
 

@@ -1,4 +1,4 @@
-"""`make quant-study`: stage 0's quantization study, recorded: tables and a plot for the docs.
+"""`make results ONLY=quantization`: stage 0's quantization study, recorded: tables and a plot for the docs.
 
     python -m benchmarks.quantization            # every recipe, about ten minutes on 2 cores
     python -m benchmarks.quantization --quick    # three recipes, 200 STS-B pairs, about 2 minutes

@@ -1,17 +1,20 @@
 """`make results`: every results file, table and picture the docs include, regenerated in one go.
 
-    python -m benchmarks.results                  # the full pipeline into docs/ (a clean tree: about 2 h)
-    python -m benchmarks.results --quick          # the same steps, briefly, into out/ (about 25 min)
+    python -m benchmarks.results                  # the full pipeline into docs/ (a clean tree)
+    python -m benchmarks.results --quick          # the same steps, briefly, into out/
     python -m benchmarks.results --quick --record # ... into docs/ (a check, not evidence: QUICK is stamped)
-    python -m benchmarks.results --only stage3,compare     # some steps
+    python -m benchmarks.results --only stage3,compare     # some steps, into out/ (make results ONLY=...)
     python -m benchmarks.results --from compare            # this step and the ones after it
     python -m benchmarks.results --render         # no measuring: rewrite every .md and plot from its JSON
-    python -m benchmarks.results --list           # the steps, in order
+    python -m benchmarks.results --list           # the steps, in order, with their estimates
 
-Each step is one command of its own (``python -m benchmarks.stage3 ...``), run as a subprocess with
-``--quick``, ``--record`` and ``--allow-dirty`` passed on; a progress line per step and the total at
-the end. A full run records by default; recording refuses a tree with uncommitted changes (the
-results folders aside) unless ``--allow-dirty``.
+Make is the front door and this is the one runner behind it: each step is one command of its own
+(``python -m benchmarks.stage3 ...``), run as a subprocess with ``--quick``, ``--record`` and
+``--allow-dirty`` passed on; a progress line per step and the total at the end. A full run records
+by default (``--only`` writes out/ unless ``--record``); recording refuses a tree with
+uncommitted changes (the results folders aside) unless ``--allow-dirty``. A step's time is in the
+stamp of the file it writes (``wall_s``), so the timing table, pipeline.md, is drawn from the
+results themselves beside each step's estimate.
 """
 
 from __future__ import annotations
@@ -36,25 +39,29 @@ class Step:
     what: str
     module: str
     writes: tuple[str, ...]  # the results files (in docs/results/) it writes
-    minutes: float  # a full run on 2 cores, for the progress line
+    minutes: float  # the estimate of a full run on 2 cores from the step's defaults (the comment says how)
     quick_minutes: float
     stamped: bool = True  # takes --quick / --record / --allow-dirty; else --out <file> unless recording
+    args: tuple[str, ...] = ()  # passed on before the others
 
 
 # The order: the model's facts, then each chapter's experiment from stage 0 on, then the
 # whole-system runs, then what is generated from code. A failed step is reported; the rest still run.
 STEPS: tuple[Step, ...] = (
     Step("model", "model build facts", "benchmarks.model_facts", ("model.json",), 0.1, 0.1),
+    # each model variant loaded and timed, 2 s a measurement (45 s last run)
     Step("stage0", "stage 0: fp32 and INT8 baseline", "benchmarks.stage0", ("stage0.json",), 1, 0.3),
+    # every recipe of the study calibrated, scored on the STS dev pairs and timed (6.0 min last run)
     Step(
         "quantization",
         "stage 0: quantization study",
         "benchmarks.quantization",
         ("quantization.json",),
-        12,
+        6,
         3,
     ),
-    Step("bench", "microbenchmarks (pytest-benchmark)", "benchmarks.micro", ("bench.json",), 3, 1),
+    # pytest-benchmark's own rounds, about 30 benchmarks (15 s last run)
+    Step("bench", "microbenchmarks (pytest-benchmark)", "benchmarks.micro", ("bench.json",), 0.5, 0.3),
     Step(
         "stage2-overhead",
         "stage 1/2: what the contract costs",
@@ -63,12 +70,13 @@ STEPS: tuple[Step, ...] = (
         2,
         0.7,
     ),
+    # 3 rounds x 2 client counts x (4 s + 1 s warm-up) x each setting (6 s points took 9.4 min)
     Step(
         "stage2-threads",
         "stage 2: thread settings",
         "benchmarks.stage2_threads",
         ("stage2_threads.json",),
-        9,
+        6.7,
         1.5,
     ),
     Step("stage3", "stage 3: batching sweeps", "benchmarks.stage3", ("stage3_sweep.json",), 9, 3),
@@ -90,6 +98,7 @@ STEPS: tuple[Step, ...] = (
         3,
         0.5,
     ),
+    # 60 s of traffic, a server and a browser
     Step(
         "dashboard",
         "stage 5: the dashboard after a minute of traffic",
@@ -109,21 +118,25 @@ STEPS: tuple[Step, ...] = (
     ),
     Step("windows", "stage 3: load-tier windows by load", "benchmarks.windows", ("windows.json",), 8, 1),
     Step("flood", "stage 5 under a flood, by SHED_DELAY_MS", "benchmarks.flood", ("flood.json",), 6, 1),
+    # 5 stages x 8 profiles x (10 s + about 3 s of Locust), 5 x (5 s warm-up + a start),
+    # the ceiling 2 kinds x 2 layouts x 7 batches x 3 s (9.5 min last run, at these defaults)
     Step(
         "compare",
         "every stage under the same Locust profiles",
         "benchmarks.compare",
         ("compare.json",),
-        45,
-        6,
+        10,
+        4,
     ),
+    # 5 stages x 8 profiles x 2 commits x 2 rounds x (6 s + about 2 s) (3 rounds: 32.9 min)
     Step(
         "before-after",
-        "the stages before the layout (issue 13) and now, in turns",
-        "benchmarks.before_after",
+        "the stages before the layout and now, in turns",
+        "benchmarks.compare",
         ("before_after.json",),
-        45,
+        22,
         4,
+        args=("--against", "8f0f03d"),
     ),
     Step(
         "cost-model",
@@ -133,6 +146,7 @@ STEPS: tuple[Step, ...] = (
         2,
         0.5,
     ),
+    # 19 commands, most against a server started fresh for each, a few seconds each
     Step(
         "docs-outputs",
         "what the chapters' commands print, against fresh servers",
@@ -141,24 +155,26 @@ STEPS: tuple[Step, ...] = (
         2,
         2,
     ),
-    Step(
-        "screenshots", "Locust's web UI, pictures", "loadtests.ui_screenshot", ("locust_ui.json",), 1.5, 0.7
-    ),
+    # one server, Locust's UI under load, 3 pictures (41 s last run)
+    Step("screenshots", "Locust's web UI, pictures", "loadtests.ui_screenshot", ("locust_ui.json",), 1, 0.7),
+    # the bad-input catalogue, the fuzzer and the faults against every stage (1.8 min last run)
     Step(
         "reliability",
         "hostile input and faults, counted",
         "benchmarks.reliability.reliability",
         ("reliability.json",),
-        8,
-        5,
+        2,
+        1.5,
     ),
+    # 600 s of soak (the chapter's ten minutes) after 3 x 4 s of capacity and the warm-up
     Step("soak", "stage 5 with Redis for 10 minutes", "benchmarks.reliability.soak", ("soak.json",), 11, 1.5),
+    # plain stage 5, the cluster with 1 and 2 replicas: capacity and a flood, 15 s a point (3.8 min)
     Step(
         "beyond",
         "stage 5 on the Ray cluster against plain stage 5 (the [cluster] extra)",
         "benchmarks.beyond",
         ("beyond.json",),
-        6,
+        4,
         3,
     ),
     Step(
@@ -203,7 +219,7 @@ PAGES: tuple[Page, ...] = (
         "benchmarks.results:_draw_quantization",
         ("quantization.png",),
     ),
-    Page("bench.json", "bench.md", "benchmarks.micro.report:markdown"),
+    Page("bench.json", "bench.md", "benchmarks.micro.__main__:markdown"),
     Page("stage2_overhead.json", "stage2_overhead.md", "benchmarks.stage2_overhead:markdown"),
     Page(
         "stage2_threads.json",
@@ -224,8 +240,8 @@ PAGES: tuple[Page, ...] = (
     Page(
         "compare.json",
         "compare.md",
-        "benchmarks.compare_report:markdown",
-        "benchmarks.compare_report:plots",
+        "benchmarks.compare:markdown",
+        "benchmarks.compare:plots",
         ("compare_throughput.png", "compare_p99.png"),
     ),
     Page(
@@ -238,7 +254,7 @@ PAGES: tuple[Page, ...] = (
     Page(
         "soak.json",
         "soak.md",
-        "benchmarks.reliability.soak_report:markdown",
+        "benchmarks.reliability.soak:markdown",
         "benchmarks.results:_draw_soak",
         ("soak.png",),
     ),
@@ -255,14 +271,14 @@ PAGES: tuple[Page, ...] = (
     Page("stage5_middleware.json", "stage5_middleware.md", "benchmarks.stage5_middleware:markdown"),
     Page("windows.json", "windows.md", "benchmarks.windows:markdown"),
     Page("cost_model.json", "cost_model.md", "benchmarks.cost_model:markdown"),
-    Page("before_after.json", "before_after.md", "benchmarks.before_after:markdown"),
+    Page("before_after.json", "before_after.md", "benchmarks.compare:against_markdown"),
     Page("outputs.json", "outputs.md", "benchmarks.docs_outputs:markdown"),  # and outputs/<name>.txt
     Page("beyond.json", "beyond.md", "benchmarks.beyond:markdown"),
-    Page("pipeline.json", "pipeline.md", "benchmarks.results:markdown"),  # the pipeline's own timings
 )
-# Generated from the code, not measured: checked by content (tests/test_docs.py), not stamped,
-# since a commit stamp would make them differ from the code's rendering at every commit.
-FROM_CODE = ("settings.md", "stage5_metrics.md")
+# Generated from the code (and, for pipeline.md, the stamps of the other files), not measured:
+# checked by content (tests/), not stamped, since a commit stamp would make them differ from the
+# code's rendering at every commit.
+FROM_CODE = ("settings.md", "stage5_metrics.md", "pipeline.md")
 
 
 def _function(ref: str) -> Callable[..., Any]:
@@ -283,7 +299,7 @@ def _draw_stage3(result: dict[str, Any], img: Path) -> None:
 
 
 def _draw_soak(result: dict[str, Any], img: Path) -> None:
-    _function("benchmarks.reliability.soak_report:plot")(result, img / "soak.png")
+    _function("benchmarks.reliability.soak:plot")(result, img / "soak.png")
 
 
 def render_page(page: Page, results: Path) -> str:
@@ -301,12 +317,13 @@ def render(results: Path = evidence.RESULTS, img: Path = evidence.IMG, pictures:
         if pictures and page.draw:
             _function(page.draw)(json.loads((results / page.json).read_text()), img)
             written += [img / name for name in page.images]
+    written.append(evidence.write_text(results / "pipeline.md", markdown(results)))
     return written
 
 
 # --- the pipeline ------------------------------------------------------------------------
 def command(step: Step, quick: bool, record: bool, allow_dirty: bool) -> list[str]:
-    args = [sys.executable, "-m", step.module]
+    args = [sys.executable, "-m", step.module, *step.args]
     if step.stamped:
         args += [*(["--quick"] if quick else []), *(["--record"] if record else [])]
         args += ["--allow-dirty"] if allow_dirty else []
@@ -324,28 +341,41 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
-def markdown(result: dict[str, Any]) -> str:
-    """pipeline.md: how long each step of the last `make results` took (what a reader can expect)."""
-    rows = [(s["name"], s["what"], f"`{s['command']}`", _minutes(s["seconds"])) for s in result["steps"]]
-    return tables.page(
-        result["stamp"], {"steps": tables.table(["step", "what", "command", "took"], rows, "lllr")}
-    )
+def _took(step: Step, results: Path) -> str:
+    """How long the run that wrote the step's first file took, from that file's stamp."""
+    path = results / step.writes[0]
+    if path.suffix != ".json" or not path.is_file():
+        return "–"
+    stamp = json.loads(path.read_text()).get("stamp") or {}
+    return _minutes(stamp["wall_s"]) if "wall_s" in stamp else "–"
 
 
-def _record_timings(run: evidence.Run, done: list[dict[str, Any]]) -> Path:
-    """pipeline.json: every step's time, this run's steps replacing those of an earlier run."""
-    path = run.results_dir / "pipeline.json"
-    earlier = json.loads(path.read_text())["steps"] if path.is_file() else []
-    ran = {s["name"] for s in done}
-    order = [s.name for s in STEPS]
-    steps = sorted(
-        [s for s in earlier if s["name"] not in ran] + done,
-        key=lambda s: order.index(s["name"]) if s["name"] in order else len(order),
-    )
-    result = {"stamp": run.stamp(), "steps": steps}
-    evidence.write_json(path, result)
-    evidence.write_text(path.with_suffix(".md"), markdown(result))
-    return path
+def markdown(results: Path = evidence.RESULTS) -> str:
+    """pipeline.md: every step, its estimate from today's defaults, and how long its last recorded
+    run took (the stamp of the file it wrote). Not stamped itself: it is rebuilt from the others."""
+    rows = [
+        (s.name, s.what, f"`{' '.join(['python', *command(s, False, True, False)[1:]])}`",
+         _minutes(s.minutes * 60), _took(s, results))
+        for s in STEPS
+    ]  # fmt: skip
+    total = sum(s.minutes for s in STEPS)
+    quick = sum(s.quick_minutes for s in STEPS)
+    lines = [
+        "<!-- generated by `python -m benchmarks.results --render` from its steps and the stamps of"
+        " docs/results/; do not edit -->",
+        "",
+        *tables.section(
+            "steps",
+            [
+                *tables.table(["step", "what", "command", "estimate", "last recorded run"], rows, "lllrr"),
+                "",
+                f"Estimated in all: {_minutes(total * 60)} (`QUICK=1`: {_minutes(quick * 60)}). An estimate"
+                " counts a step's points, seconds and rounds at its defaults; the last column is the"
+                " time its results file records, whatever defaults it ran with then.",
+            ],
+        ),
+    ]
+    return "\n".join(lines)
 
 
 def pipeline(steps: Sequence[Step], run: evidence.Run) -> int:
@@ -358,7 +388,6 @@ def pipeline(steps: Sequence[Step], run: evidence.Run) -> int:
         flush=True,
     )
     started = time.monotonic()
-    timings: list[dict[str, Any]] = []
     failed: list[str] = []
     for n, step in enumerate(steps, 1):
         print(f"[{n}/{len(steps)}] {step.name}: {step.what} ...", flush=True)
@@ -368,7 +397,7 @@ def pipeline(steps: Sequence[Step], run: evidence.Run) -> int:
         seconds = time.monotonic() - t0
         if done.returncode != 0:
             # The steps are independent: a failed one (a crash, or a soak that failed its verdict,
-            # whose results are written all the same) must not cost the others of a two-hour run.
+            # whose results are written all the same) must not cost the others of a long run.
             failed.append(step.name)
             print(
                 f"[{n}/{len(steps)}] {step.name}: FAILED (exit {done.returncode}) after {_minutes(seconds)}",
@@ -376,12 +405,10 @@ def pipeline(steps: Sequence[Step], run: evidence.Run) -> int:
             )
             continue
         print(f"[{n}/{len(steps)}] {step.name}: done in {_minutes(seconds)}", flush=True)
-        shown = " ".join(["python", *args[1:]]).replace(str(evidence.REPO) + "/", "")
-        timings.append({"name": step.name, "what": step.what, "command": shown, "seconds": round(seconds, 1)})
     total = _minutes(time.monotonic() - started)
     print(f"make results: {len(steps) - len(failed)} of {len(steps)} steps done in {total}", flush=True)
-    if timings:
-        print(f"wrote {_record_timings(run, timings)}", flush=True)
+    if record and len(failed) < len(steps):
+        print(f"wrote {evidence.write_text(evidence.RESULTS / 'pipeline.md', markdown())}", flush=True)
     if failed:
         print(f"failed: {', '.join(failed)}; run them again with --only {','.join(failed)}", flush=True)
         return 1
@@ -422,7 +449,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path in render():
             print(f"wrote {path}")
         return 0
-    record = args.record or not args.quick  # the full pipeline is what the docs show
+    # The whole pipeline is what the docs show; one step (a reader trying a chapter's) writes out/.
+    record = args.record or not (args.quick or args.only)
     # Refuse a dirty tree here, before hours of measuring, not at the first step that records.
     options = argparse.Namespace(record=record, allow_dirty=args.allow_dirty, quick=args.quick)
     run = evidence.start("benchmarks.results", options, argv)

@@ -1,4 +1,4 @@
-"""`make bench-stage0`: stage 0's baseline (fp32 against the INT8 variants), recorded for the docs.
+"""`make results ONLY=stage0`: stage 0's baseline (fp32 against the INT8 variants), recorded for the docs.
 
     python -m benchmarks.stage0            # 2 s per measurement, about 1 minute
     python -m benchmarks.stage0 --quick    # 0.2 s per measurement, seconds

@@ -39,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from benchmarks.null_backend.app import app as null_app
+from common import corpus
 from common.api import json_response, lean_route, read_body
 from common.engine import Engine, l2_normalize
 from common.schemas import EmbedRequest
@@ -48,7 +49,6 @@ from loadtests.harness import settle
 from loadtests.httpload import post_requests, run_load
 from loadtests.procs import running_stage
 from loadtests.tables import page, table
-from stage0_script import corpus
 
 NULL_STAGE = "benchmarks.null_backend"  # served by `python -m common.serve`, like a stage
 

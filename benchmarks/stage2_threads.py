@@ -1,6 +1,6 @@
 """Stage 2's two thread settings, measured together: WORKER_THREADS x ONNX_INTRA_THREADS (x spinning).
 
-    python -m benchmarks.stage2_threads            # about 9 minutes; run it on a quiet machine
+    python -m benchmarks.stage2_threads            # about 7 minutes; run it on a quiet machine
     python -m benchmarks.stage2_threads --quick    # about a minute, to see that it works
     python -m benchmarks.stage2_threads --record   # written to docs/results/ and docs/img/
 
@@ -27,13 +27,13 @@ from typing import Any
 
 import orjson
 
+from common import corpus
 from common.settings import Settings
 from loadtests import evidence
 from loadtests.harness import settle
 from loadtests.httpload import post_requests, run_load
 from loadtests.procs import running_stage
 from loadtests.tables import page, table
-from stage0_script import corpus
 
 WORKERS = (1, 2)
 INTRA = (1, 2, 0)
@@ -192,7 +192,7 @@ def headline(result: dict[str, Any]) -> dict[str, float]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--duration", type=float, default=6.0, help="seconds per point and round")
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds per point and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, help="folder for stage2_threads.json and .md")
     parser.add_argument("--img", type=Path, help="folder for stage2_threads.png")

@@ -40,13 +40,13 @@ import orjson
 
 from benchmarks.compare import engine_ceiling
 from benchmarks.stage3_report import markdown, plot
+from common import corpus
 from common.engine import Engine
 from common.settings import Settings
 from loadtests import evidence
 from loadtests.harness import settle
 from loadtests.httpload import post_requests, run_load
 from loadtests.procs import running_stage
-from stage0_script import corpus
 from stage3_batching.app import RefinedBatcher
 
 HOST = "127.0.0.1"

@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from common import corpus
 from common.engine import Engine, TokenizedText
 from common.settings import Settings
 from loadtests import evidence
 from loadtests.tables import num, page, table
-from stage0_script import corpus
 from stage3_batching.batcher import Batcher
 from stage3_batching.refined import RefinedBatcher
 

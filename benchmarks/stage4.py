@@ -29,11 +29,11 @@ import numpy as np
 import orjson
 import redis.asyncio as aioredis
 
+from common import corpus
 from loadtests import evidence
 from loadtests.httpload import Answer, closed_loop, post_requests
 from loadtests.procs import StageProcess, any_redis, running_stage
 from loadtests.tables import num, page, table
-from stage0_script import corpus
 
 S3, S4 = "stage3_batching", "stage4_cache_backpressure"
 LOGS = evidence.OUT / "logs" / "stage4"  # git-ignored server logs

@@ -26,10 +26,10 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from common import corpus
 from loadtests import evidence, tables
 from loadtests.httpload import closed_loop, post_requests
 from loadtests.procs import running_stage
-from stage0_script import corpus
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-sync"]

@@ -280,7 +280,6 @@ def provenance(stamp: dict[str, Any]) -> dict[str, Any]:
         "command": stamp.get("command"),
         "quick": stamp.get("quick"),
         "defaults_fingerprint": settings.get("defaults_fingerprint"),
-        **({"legacy": True} if stamp.get("legacy") else {}),
     }
 
 
@@ -359,12 +358,8 @@ def describe(stamp: dict[str, Any]) -> str:
     m = stamp["machine"]
     commit = str(stamp.get("commit") or "unknown")[:7]
     when = str(stamp.get("date", "?"))[:16].replace("T", " ")
-    if stamp.get("legacy"):
-        known = f", commit `{stamp['commit']}`" if stamp.get("commit") else ""
-        where = f"on {when} UTC{known}, before results were stamped (its settings not recorded)"
-    else:
-        dirty = " with uncommitted changes" if stamp.get("dirty") else ""
-        where = f"at commit `{commit}`{dirty} on {when} UTC ({_duration(stamp.get('wall_s'))})"
+    dirty = " with uncommitted changes" if stamp.get("dirty") else ""
+    where = f"at commit `{commit}`{dirty} on {when} UTC ({_duration(stamp.get('wall_s'))})"
     text = (
         f"Measured by `{stamp.get('command', '?')}` {where}: {m.get('cpu_model', '?')},"
         f" {m.get('logical_cores', '?')} logical cores, {m.get('memory_gib', '?')} GiB memory,"

@@ -8,6 +8,7 @@ the standard library with gevent on import, and this process also starts servers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -21,12 +22,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
 import orjson
 import psutil
 
+from common import corpus
 from loadtests.httpload import closed_loop, post_requests
-from stage0_script import corpus
+from loadtests.procs import answers, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 LOCUSTFILE = REPO / "loadtests" / "locustfile.py"
@@ -113,18 +114,18 @@ def busy_cpu() -> float:
 
 
 def settle(pid: int, url: str, idle_cores: float = 0.15, max_s: float = 60.0) -> float:
-    """Wait until the server answers /health and is idle: the previous run's backlog is gone."""
+    """Wait until the server answers /health and is idle: the previous run's backlog is gone.
+    Returns the seconds it took (``max_s`` at most: a server still busy then is measured anyway)."""
     process = psutil.Process(pid)
-    start = time.monotonic()
-    while time.monotonic() - start < max_s:
+
+    def idle() -> bool:
         before = process_cpu(process)
-        time.sleep(0.5)
-        if (process_cpu(process) - before) / 0.5 < idle_cores:
-            try:
-                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+        time.sleep(0.5)  # the window the server's CPU is read over
+        return (process_cpu(process) - before) / 0.5 < idle_cores and answers(f"{url}/health", timeout=2.0)
+
+    start = time.monotonic()
+    with contextlib.suppress(TimeoutError):
+        wait_until(idle, max_s, every=0)
     return time.monotonic() - start
 
 
@@ -170,18 +171,6 @@ class CpuSampler:
 
         (a0, b0), (a1, b1) = at(start), at(stop)
         return a1 - a0, b1 - b0
-
-
-def percentile(response_times: dict[str, int], q: float) -> float:
-    """Locust's own percentile over its rounded response-time buckets (ms)."""
-    buckets = sorted(((float(ms), n) for ms, n in response_times.items()), reverse=True)
-    total = sum(n for _, n in buckets)
-    keep, seen = int(total * q), 0
-    for ms, n in buckets:
-        seen += n
-        if total - seen <= keep:
-            return ms
-    return 0.0
 
 
 def classify_failures(errors: dict[str, int]) -> dict[str, int]:
@@ -270,10 +259,7 @@ def run_point(
 
     requests = sum(e["num_requests"] for e in entries)
     failed = sum(e["num_failures"] for e in entries)
-    times: dict[str, int] = {}
-    for e in entries:
-        for k, v in e["response_times"].items():
-            times[k] = times.get(k, 0) + v
+    percentiles = report["percentiles_ms"]  # Locust's own, over every request (the locustfile's report)
     errors = report.get("errors", {})
     return PointResult(
         stage=stage,
@@ -288,10 +274,10 @@ def run_point(
         errors=errors,
         rps=(requests - failed) / window,
         texts_per_s=(requests - failed) * profile.texts_per_request / window,
-        p50_ms=percentile(times, 0.50),
-        p95_ms=percentile(times, 0.95),
-        p99_ms=percentile(times, 0.99),
-        max_ms=max((e["max_response_time"] or 0.0 for e in entries), default=0.0),
+        p50_ms=percentiles["0.5"],
+        p95_ms=percentiles["0.95"],
+        p99_ms=percentiles["0.99"],
+        max_ms=report["max_ms"],
         loadgen_cores=report["cores"],
         server_cores=server_s / window,
         other_cores=max(0.0, (busy_s - server_s - report["cpu_s"]) / window),

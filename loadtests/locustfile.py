@@ -3,7 +3,7 @@
     make loadtest STAGE=3            # web UI at http://127.0.0.1:8089, pick a user class there
     locust -f loadtests/locustfile.py --headless -u 32 -r 32 -t 20s UniqueTextUser --host http://127.0.0.1:8000
 
-Every text comes from ``stage0_script.corpus`` with a seed, so two runs send the same requests. Each
+Every text comes from ``common.corpus`` with a seed, so two runs send the same requests. Each
 user class is one workload from the lessons:
 
 * ``UniqueTextUser``   every text new: every request is a cache miss (the model's real cost).
@@ -29,7 +29,7 @@ from typing import Any
 
 from locust import FastHttpUser, between, constant, events, task
 
-from stage0_script import corpus
+from common import corpus
 
 ENDPOINTS = ("/v1/embed", "/v1/embeddings")
 TEXT_KINDS = ("query", "sentence", "passage", "mixed")
@@ -176,7 +176,7 @@ class WaveUser(_EmbedUser):
 
 
 class MixedLengthUser(_EmbedUser):
-    """40% short queries, 45% sentences, 15% long passages, as ``stage0_script.corpus.mixed`` draws them."""
+    """40% short queries, 45% sentences, 15% long passages, as ``common.corpus.mixed`` draws them."""
 
     text_kind = "mixed"
 
@@ -200,6 +200,7 @@ class ThinkingUser(_EmbedUser):
 
 # --- the load generator's own CPU, in the window Locust measures ---------------
 _window: dict[str, float] = {}
+PERCENTILES = (0.50, 0.95, 0.99)  # the run report carries these from Locust's stats
 
 
 @events.spawning_complete.add_listener
@@ -219,6 +220,7 @@ def _window_stop(environment: Any, **_: Any) -> None:
     errors: dict[str, int] = {}
     for e in environment.stats.errors.values():
         errors[str(e.error)] = errors.get(str(e.error), 0) + e.occurrences
+    total = environment.stats.total  # every request since the reset, Locust's own percentiles
     report = {
         **_window,
         "stop_wall": time.time(),
@@ -226,6 +228,8 @@ def _window_stop(environment: Any, **_: Any) -> None:
         "cpu_s": cpu,
         "cores": cpu / wall if wall > 0 else 0.0,
         "errors": errors,
+        "percentiles_ms": {str(q): total.get_response_time_percentile(q) for q in PERCENTILES},
+        "max_ms": total.max_response_time or 0.0,
     }
     with open(path, "w") as f:
         json.dump(report, f)

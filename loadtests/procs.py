@@ -17,13 +17,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import redis
+import tenacity
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_REDIS = "redis://127.0.0.1:6379/0"
@@ -44,16 +45,38 @@ def answers(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def wait_until(
+    ready: Callable[[], bool], timeout: float, every: float, process: subprocess.Popen[bytes] | None = None
+) -> float:
+    """Poll ``ready`` every ``every`` seconds until it is true (tenacity); returns the seconds it took.
+    Raises RuntimeError when ``process`` exits first, TimeoutError after ``timeout`` seconds."""
+
+    def check() -> bool:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"exited with {process.returncode}")
+        return ready()
+
+    started = time.monotonic()
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_after_delay(timeout),
+        wait=tenacity.wait_fixed(every),
+        retry=tenacity.retry_if_result(lambda ok: not ok),  # an exception is not retried: it stops
+    )
+    try:
+        retrying(check)
+    except tenacity.RetryError:
+        raise TimeoutError(f"not ready in {timeout:.0f} s") from None
+    return time.monotonic() - started
+
+
 def wait_http(url: str, process: subprocess.Popen[bytes] | None = None, timeout: float = 180.0) -> float:
     """Wait until ``GET url`` answers 200; fail early if ``process`` exits. Returns the seconds waited."""
-    started = time.monotonic()
-    while not answers(url):
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"exited with {process.returncode} before {url} answered")
-        if time.monotonic() - started > timeout:
-            raise RuntimeError(f"{url} did not answer in {timeout:.0f} s")
-        time.sleep(0.1)
-    return time.monotonic() - started
+    try:
+        return wait_until(lambda: answers(url), timeout, 0.1, process)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc} before {url} answered") from None
+    except TimeoutError:
+        raise RuntimeError(f"{url} did not answer in {timeout:.0f} s") from None
 
 
 # --- a server stage ----------------------------------------------------------------------
@@ -86,7 +109,7 @@ class StageProcess:
     port: int = field(default_factory=free_port)
     host: str = "127.0.0.1"
     without: tuple[str, ...] = ()
-    tree: Path = REPO  # the checkout the stage runs from (another commit's worktree: benchmarks/before_after)
+    tree: Path = REPO  # the checkout the stage runs from (another commit's worktree: compare --against)
     command: tuple[str, ...] = ()  # instead of `make stageN`'s (a profiled server: benchmarks/request_path)
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
@@ -182,7 +205,8 @@ def redis_answers(url: str) -> bool:
 
 @dataclass
 class RedisProcess:
-    """One redis-server on ``port``: ``stop``, ``start`` (same port, empty), ``pause``, ``resume``."""
+    """One redis-server on ``port``: ``start``, ``stop`` (a SIGKILL: a crash), ``start`` again (same
+    port, empty). The tests' own (tests/redis_support.py) can pause and resume it too."""
 
     port: int = field(default_factory=free_port)
     password: str | None = None
@@ -204,34 +228,18 @@ class RedisProcess:
         if self.password:
             args += ["--requirepass", self.password]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while not redis_answers(self.url):
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server on port {self.port} exited with {self.process.returncode}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"redis-server on port {self.port} did not start in {timeout} s")
-            time.sleep(0.05)
+        try:
+            wait_until(lambda: redis_answers(self.url), timeout, 0.05, self.process)
+        except RuntimeError as exc:
+            raise RuntimeError(f"redis-server on port {self.port}: {exc}") from None
+        except TimeoutError:
+            self.stop()
+            raise RuntimeError(f"redis-server on port {self.port} did not start in {timeout} s") from None
 
-    def stop(self, kill: bool = True) -> None:
-        """SIGKILL (a crash) by default; ``kill=False`` sends SIGTERM."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.resume()  # a stopped (SIGSTOP) process would not act on SIGTERM
-        if kill:
-            self.process.kill()
-        else:
-            self.process.terminate()
-        self.process.wait(timeout=10)
-
-    def pause(self) -> None:
-        """SIGSTOP: connections stay open and nothing answers (a hung Redis)."""
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
+    def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGCONT)
+            self.process.kill()
+            self.process.wait(timeout=10)
 
 
 @contextmanager

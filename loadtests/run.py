@@ -1,4 +1,4 @@
-"""`make loadtest STAGE=N` (Locust's web UI) and `make loadtest-headless STAGE=N` (one fixed profile).
+"""`make loadtest STAGE=N` (Locust's web UI) and `make loadtest HEADLESS=1 STAGE=N` (one fixed profile).
 
     python -m loadtests.run --stage 5                  # UI on http://127.0.0.1:8089
     python -m loadtests.run --stage 3 --headless       # unique-32 for 30 s, files in out/loadtest/

@@ -1,4 +1,4 @@
-"""`make loadtest-screenshots`: pictures of Locust's web UI for the benchmarking chapter.
+"""`make results ONLY=screenshots`: pictures of Locust's web UI for the benchmarking chapter.
 
 Runs `make loadtest`'s launcher (``python -m loadtests.run``) on free ports, photographs the start
 form, starts a swarm through the UI's own HTTP API, and photographs the charts and statistics

@@ -6,7 +6,7 @@
     python -m stage0_script --bench                        # fp32 vs INT8: size, load, latency, items/s
 
 ``--bench`` prints a table (and writes its figures as JSON with ``--out``): the ceiling every
-later stage is measured against. ``make bench-stage0`` (benchmarks/stage0.py) records the same
+later stage is measured against. ``make results ONLY=stage0`` (benchmarks/stage0.py) records the same
 measurement, stamped, for the docs.
 """
 
@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from common import corpus
 from common.engine import Engine
 from common.settings import get_settings
-from stage0_script import corpus
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 VARIANTS = ("fp32", "int8-dynamic", "int8-static", "int8-rowwise")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stage0_script import corpus
+from common import corpus
 
 if TYPE_CHECKING:
     from common.engine import Engine

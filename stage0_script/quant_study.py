@@ -10,8 +10,9 @@ padded batch of mixed lengths). Rounds build on each other: calibrations first, 
 activation type on the best calibration, then nodes kept in fp32 on the best so far.
 
 Prints one line per variant and the decision (``--out`` also writes the figures as JSON);
-``make quant-study`` (benchmarks/quantization.py) records the same study, stamped, with the tables
-and the plot the docs show. Needs a built model (`make model`); takes about ten minutes on 2 cores.
+``make results ONLY=quantization RECORD=1`` (benchmarks/quantization.py) records the same study,
+stamped, with the tables and the plot the docs show. Needs a built model (`make model`); takes
+about ten minutes on 2 cores.
 """
 
 from __future__ import annotations

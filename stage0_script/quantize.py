@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stage0_script import corpus
+from common import corpus
 
 
 # --8<-- [start:recipe]
@@ -45,7 +45,7 @@ class StaticRecipe:
         )
 
 
-# Static INT8 recipe, chosen by the measurements in docs/lab/stage0.md (`make quant-study`):
+# Static INT8 recipe, chosen by the measurements in docs/lab/stage0.md (`make results ONLY=quantization`):
 # Entropy calibration on unpadded texts, with the MatMul after GELU kept in fp32, is the
 # simplest recipe that passes both gates; calibration choices alone stay far below them.
 STATIC_RECIPE = StaticRecipe(

@@ -12,8 +12,8 @@ import statistics
 import time
 from pathlib import Path
 
+from common import corpus
 from common.engine import Engine
-from stage0_script import corpus
 
 
 def variants(model_dir: Path, names: list[str], rounds: int, batch: int = 32) -> dict[str, dict[str, float]]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
+from common.corpus import texts as corpus_texts
 from common.engine import Engine
-from stage0_script.corpus import texts as corpus_texts
 
 
 def fresh_texts(n: int, kind: str = "mixed") -> list[str]:

@@ -8,6 +8,8 @@ kit (``loadtests.procs``); this module only turns "cannot start" into a test fai
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,10 +17,23 @@ from pathlib import Path
 import pytest
 
 from loadtests.procs import SHARED_REDIS as SHARED_URL
-from loadtests.procs import RedisProcess as RedisServer
+from loadtests.procs import RedisProcess
 from loadtests.procs import redis_answers as answers
 
 __all__ = ["SHARED_URL", "RedisServer", "answers", "any_redis", "own_redis"]
+
+
+class RedisServer(RedisProcess):
+    """The kit's private redis-server, and what only the tests do to it: a hung Redis."""
+
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open and nothing answers."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
 
 
 @contextmanager

@@ -16,9 +16,9 @@ import pytest
 from conftest import run_server
 from fresh import fresh_texts
 
+from common.corpus import texts as corpus_texts
 from common.engine import Engine
 from common.settings import Settings
-from stage0_script.corpus import texts as corpus_texts
 
 ATOL = 1e-5
 ROWWISE = {"MODEL_VARIANT": "int8-rowwise"}

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from exercise_pieces import textbook_batcher
 
+from common import corpus
 from common.engine import Engine, TokenizedText, l2_normalize
 from common.settings import Settings
-from stage0_script import corpus
 from stage3_batching.app import RefinedBatcher
 from stage3_batching.batcher import BatchOutcome, BatchRecord, DeadlineExceeded
 from stage3_batching.lengths import length_buckets

@@ -53,7 +53,7 @@ def test_every_output_is_captured_and_nothing_else() -> None:
     """outputs/<name>.txt for every manifest entry, the same text as outputs.json holds."""
     recorded = json.loads((evidence.RESULTS / "outputs.json").read_text())
     by_name = {o["name"]: o for o in recorded["outputs"]}
-    assert sorted(by_name) == sorted(o.name for o in OUTPUTS), "run `make docs-outputs RECORD=1`"
+    assert sorted(by_name) == sorted(o.name for o in OUTPUTS), "run `make results ONLY=docs-outputs RECORD=1`"
     for output in OUTPUTS:
         assert (FOLDER / f"{output.name}.txt").read_text() == by_name[output.name]["text"]
         assert by_name[output.name]["command"] == output.command, f"{output.name}: the command changed"
@@ -68,4 +68,5 @@ def test_every_captured_command_prints_the_same_shape_today() -> None:
         committed = (FOLDER / f"{fresh['name']}.txt").read_text()
         if not same_shape(by_name[fresh["name"]], fresh["text"], committed):
             differ.append(f"--- {fresh['name']}: committed\n{committed}--- today\n{fresh['text']}")
-    assert not differ, "run `make docs-outputs RECORD=1` if the change is right:\n" + "\n".join(differ)
+    rerun = "run `make results ONLY=docs-outputs RECORD=1` if the change is right:\n"
+    assert not differ, rerun + "\n".join(differ)

@@ -7,9 +7,9 @@ import random
 import numpy as np
 import pytest
 
+from common import corpus
 from common.engine import Engine, l2_normalize
 from common.settings import Settings
-from stage0_script import corpus
 from stage0_script.build_model import packaged_model_dir
 
 # Measured on this project's machines (docs/stage0.md): dynamic INT8 computes activation

@@ -24,8 +24,8 @@ import pytest
 from conftest import SERVER_STAGES, Server
 from fresh import fresh_texts, full_length_texts
 
+from common.corpus import texts as corpus_texts
 from common.engine import Engine
-from stage0_script.corpus import texts as corpus_texts
 
 ATOL = 1e-5
 BATCH_MATES_COS = 0.97  # lowest cosine seen between "alone" and "in a batch" here: ~0.98

@@ -24,7 +24,7 @@ import psutil
 import pytest
 from conftest import SERVER_STAGES, Server
 
-from stage0_script.corpus import texts as corpus_texts
+from common.corpus import texts as corpus_texts
 
 BLOCKING_STAGES = {"stage1_naive"}
 BUSY_CPU_S = 0.3  # far above tokenizing the passages (~0.02 s), far below the model call (~1-4 s)

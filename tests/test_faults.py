@@ -75,7 +75,7 @@ def test_the_reliability_tables_in_the_docs_match_their_json() -> None:
     results = Path(__file__).resolve().parent.parent / "docs" / "results"
     report = json.loads((results / "reliability.json").read_text())
     assert (results / "reliability.md").read_text() == reliability.markdown(report), (
-        "rerun `make reliability`"
+        "rerun `make results ONLY=reliability`"
     )
     summary = report["summary"]
     assert summary["server_errors"] == summary["unexpected_answers"] == summary["requests_lost"] == 0

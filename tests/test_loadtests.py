@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.compare_report import add_ratios
+from benchmarks.compare import add_ratios
 from common.serve import available_stages
-from loadtests.harness import Profile, classify_failures, percentile
+from loadtests.harness import Profile, classify_failures
 from tests.conftest import REPO, free_port
 
 USER_CLASSES = (
@@ -50,23 +50,6 @@ def _locust(
 
 
 # --- pure helpers -----------------------------------------------------------------
-def test_percentile_matches_locusts_own() -> None:
-    """Same answer as locust.stats for the same buckets (asked in a subprocess: locust patches on import)."""
-    cases = [({"10": 50, "20": 40, "100": 9, "1000": 1}, q) for q in (0.5, 0.9, 0.95, 0.99, 1.0)]
-    cases += [({"3": 1}, 0.5), ({"44": 3, "45": 5, "2700": 2}, 0.99), ({"1.5": 2, "7": 1}, 0.66)]
-    code = (
-        "import json, sys\n"
-        "from locust.stats import calculate_response_time_percentile as p\n"
-        "cases = json.load(sys.stdin)\n"
-        "print(json.dumps([p({float(k): v for k, v in t.items()}, sum(t.values()), q) for t, q in cases]))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], input=json.dumps(cases), capture_output=True, text=True, check=True
-    )
-    assert [percentile(t, q) for t, q in cases] == json.loads(done.stdout)
-    assert percentile({}, 0.5) == 0.0
-
-
 def test_failures_are_split_into_503_and_the_rest() -> None:
     errors = {
         "HTTP 503": 7,
@@ -173,7 +156,7 @@ def test_a_wrong_vector_count_is_a_failure(tmp_path: Path) -> None:
     assert list(report["errors"]) == ["expected 3 vectors, got 2"]
 
 
-# --- make loadtest (web UI) and make loadtest-headless -------------------------------
+# --- make loadtest (web UI) and make loadtest HEADLESS=1 -------------------------------
 def test_make_loadtest_starts_the_stage_and_serves_the_web_ui(tmp_path: Path) -> None:
     stage, port, web = available_stages()[-1], free_port(), free_port()
     env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port)}
@@ -244,6 +227,21 @@ def test_make_loadtest_headless_writes_csv_and_json(tmp_path: Path) -> None:
     csv_lines = summary_path.with_name(summary_path.name.replace(".json", ".csv")).read_text().splitlines()
     assert csv_lines[0].startswith("stage,profile,") and len(csv_lines) == 2
     assert list(tmp_path.glob(f"{stage}-unique-8-*_stats_history.csv"))
+    # The percentiles are Locust's own over the whole run: what locust.stats makes of the response
+    # times in its final JSON (asked in a subprocess: locust patches the standard library on import)
+    (raw,) = tmp_path.glob(f"{stage}-unique-8-*Z.json")
+    code = (
+        "import json, sys\n"
+        "from locust.stats import calculate_response_time_percentile as p\n"
+        "times = {}\n"
+        "for e in json.load(open(sys.argv[1])):\n"
+        "    for ms, n in e['response_times'].items(): times[float(ms)] = times.get(float(ms), 0) + n\n"
+        "print(json.dumps([p(times, sum(times.values()), q) for q in (0.5, 0.95, 0.99)]))\n"
+    )
+    ask = [sys.executable, "-c", code, str(raw)]
+    locust = subprocess.run(ask, capture_output=True, text=True, check=True)
+    assert [summary[f"p{q}_ms"] for q in (50, 95, 99)] == json.loads(locust.stdout)
+    assert 0 < summary["p50_ms"] <= summary["p99_ms"] <= summary["max_ms"]
 
 
 # --- make compare, quick ----------------------------------------------------------
@@ -309,8 +307,27 @@ def test_compare_reports_a_stage_that_fails_and_exits_nonzero(tmp_path: Path) ->
     assert "**stage1_naive failed**" in (tmp_path / "compare.md").read_text()
 
 
+def test_compare_against_a_commit_takes_turns(tmp_path: Path) -> None:
+    """`make compare AGAINST=HEAD`, short: both commits' stage 1, two rounds in turns, the ratios."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compare", "--against", "HEAD", "--quick", "--rounds", "2",
+         "--stages", "1", "--profiles", "unique-1", "--duration", "1", "--warmup", "0.5",
+         "--out", str(tmp_path), "--raw", str(tmp_path / "raw")],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "before_after.json").read_text())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    assert result["parameters"]["before"] == head.strip() and result["parameters"]["rounds"] == 2
+    turns = [(p["round"], p["side"]) for p in result["points"]]
+    assert turns == [(0, "before"), (0, "after"), (1, "after"), (1, "before")]  # A B, then B A
+    (row,) = result["summary"]
+    assert row["stage"] == "stage1_naive" and row["ratio"] > 0 and len(row["round_ratios"]) == 2
+    assert "[start:ratios]" in (tmp_path / "before_after.md").read_text()
+
+
 def test_web_ui_screenshots(tmp_path: Path) -> None:
-    """`make loadtest-screenshots`, short: the start form, the charts and the table, as PNGs."""
+    """`make results ONLY=screenshots`, short: the start form, the charts and the table, as PNGs."""
     done = subprocess.run(
         [sys.executable, "-m", "loadtests.ui_screenshot", "--stage", available_stages()[-1], "--users", "4",
          "--seconds", "3", "--img", str(tmp_path), "--results", str(tmp_path)],

@@ -106,3 +106,74 @@ def test_make_stage_starts_prints_where_it_listens_and_serves(stage: str, make_s
     r = httpx.post(f"{url}/v1/embed", json={"inputs": ["make is the front door"]}, timeout=120)
     assert r.status_code == 200, r.text
     assert len(r.json()["embeddings"][0]) == 384
+
+
+# --- make help: the front door's list ----------------------------------------------------
+GROUPS = ["run", "test", "measure", "deploy", "docs"]
+STAGE_FAMILY = "stage0 .. stage5"
+
+
+def make_help() -> dict[str, list[str]]:
+    """The groups `make help` prints, each with the targets it lists, in order."""
+    done = subprocess.run(["make", "--no-print-directory", "help"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    groups: dict[str, list[str]] = {}
+    for line in done.stdout.splitlines():
+        if line and not line.startswith(" "):
+            groups[line.split(":")[0]] = []
+        elif line.strip():
+            name = STAGE_FAMILY if line.strip().startswith(STAGE_FAMILY) else line.split()[0]
+            groups[list(groups)[-1]].append(name)
+    return groups
+
+
+def test_make_help_lists_at_most_twenty_targets_in_five_groups() -> None:
+    groups = make_help()
+    assert list(groups) == GROUPS
+    listed = [t for targets in groups.values() for t in targets]
+    assert len(listed) <= 20, listed  # stage0 .. stage5 counts once: one family, one line
+    assert len(set(listed)) == len(listed)
+    assert {"setup", "test", "tools", "results", "compare", "loadtest", STAGE_FAMILY} <= set(listed)
+    # `make` alone prints the same list
+    alone = subprocess.run(["make", "--no-print-directory"], cwd=REPO, capture_output=True, text=True)
+    assert "measure:" in alone.stdout
+
+
+def test_every_target_make_help_lists_is_a_target() -> None:
+    """A line of help for a target that is gone (or misspelled) fails here: `make -n` knows each one."""
+    targets = [t for group in make_help().values() for t in group if t != STAGE_FAMILY]
+    targets += [f"stage{n}" for n in range(6)]
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS")}
+    for target in targets:
+        done = subprocess.run(["make", "-n", target], cwd=REPO, env=env, capture_output=True, text=True)
+        assert done.returncode == 0 and "No rule to make target" not in done.stderr, (target, done.stderr)
+
+
+def test_the_docs_name_only_targets_make_help_lists() -> None:
+    """`make bench-stage3` in a chapter after the target became `make results ONLY=stage3` fails here."""
+    listed = {t for group in make_help().values() for t in group} | {"help"}
+    pages = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "docs" / "lab").glob("*.md")]
+    pages += (REPO / "exercises").rglob("*.md")
+    named = {
+        (page.name, m.group(1))
+        for page in pages
+        for m in re.finditer(r"(?:`|^)make ([a-z][a-z0-9-]*)", page.read_text(), re.M)
+    }
+    unknown = sorted((page, t) for page, t in named if t not in listed and not re.fullmatch(r"stage\d?", t))
+    assert not unknown, unknown
+
+
+def test_the_docs_name_only_steps_make_results_has() -> None:
+    """`make results ONLY=windows` in a chapter after windows became part of another step fails here."""
+    from benchmarks.results import STEPS
+
+    steps = {s.name for s in STEPS}
+    pages = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "docs" / "lab").glob("*.md")]
+    named = {
+        (page.name, step)
+        for page in pages
+        for m in re.finditer(r"make results ONLY=([\w,-]+)", page.read_text())
+        for step in m.group(1).split(",")
+    }
+    unknown = sorted((page, step) for page, step in named if step not in steps)
+    assert not unknown, unknown

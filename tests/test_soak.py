@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.reliability import soak, soak_report
+from benchmarks.reliability import soak
 from loadtests import evidence
 
 
@@ -20,8 +20,8 @@ def test_soak_60_seconds(tmp_path: Path) -> None:
     out, png = tmp_path / "soak.json", tmp_path / "soak.png"
     run = evidence.Run("tests.test_soak", [])
     saved = soak.payload(result, run.stamp())
-    soak_report.write(saved, out)
-    soak_report.plot(saved, png)
+    soak.write(saved, out)
+    soak.plot(saved, png)
     verdict = result.verdict
     # On failure, say what the run looked like: a shared machine can change under a soak.
     context = (
@@ -40,7 +40,7 @@ def test_soak_60_seconds(tmp_path: Path) -> None:
     assert len(result.intervals) >= 25
     saved = json.loads(out.read_text())
     assert saved["verdict"]["passed"] and saved["stamp"]["machine"]["logical_cores"]
-    assert soak_report.markdown(saved) == out.with_suffix(".md").read_text()
+    assert soak.markdown(saved) == out.with_suffix(".md").read_text()
     assert png.stat().st_size > 10_000 and evidence.read_png_provenance(png) == evidence.provenance(
         saved["stamp"]
     )
@@ -49,7 +49,7 @@ def test_soak_60_seconds(tmp_path: Path) -> None:
 def test_the_soak_table_in_the_docs_matches_its_json() -> None:
     results = Path(__file__).resolve().parent.parent / "docs" / "results"
     payload = json.loads((results / "soak.json").read_text())
-    assert (results / "soak.md").read_text() == soak_report.markdown(payload), "rerun `make soak`"
+    assert (results / "soak.md").read_text() == soak.markdown(payload), "rerun `make soak`"
     # The file is whatever `make soak` last recorded, pass or fail (the chapter discusses it);
     # the 60-second test above is the one that must pass.
     assert payload["verdict"]["passed"] == (

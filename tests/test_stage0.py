@@ -71,7 +71,7 @@ def test_bench_prints_and_writes_every_figure(tmp_path: Path) -> None:
 
 
 def test_the_recorded_bench_is_stamped_and_rendered(tmp_path: Path) -> None:
-    """`make bench-stage0`: the same measurement, stamped, with the tables the chapters include."""
+    """`make results ONLY=stage0`: the same measurement, stamped, with the tables the chapters include."""
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.stage0", "--quick", "--seconds", "0.05", "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=300,

@@ -15,8 +15,8 @@ import httpx
 import numpy as np
 import pytest
 
+from common import corpus
 from common.engine import Engine
-from stage0_script import corpus
 
 STAGE = "stage3_batching"
 # SPLIT_BY_LENGTH=false: the four texts run as one model call, so each vector can be compared

@@ -20,8 +20,8 @@ import numpy as np
 import orjson
 import pytest
 
+from common import corpus
 from common.engine import Engine
-from stage0_script import corpus
 
 STAGE = "stage4_cache_backpressure"
 pytestmark = pytest.mark.timeout(300)

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from common import corpus
 from common.engine import Engine
 from common.settings import Settings
-from stage0_script import corpus
 
 
 @pytest.fixture(scope="session")

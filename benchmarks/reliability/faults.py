@@ -33,9 +33,9 @@ import numpy as np
 import orjson
 import redis as redis_client
 
+from common import corpus
 from loadtests.httpload import Answer, closed_loop, post_requests
 from loadtests.procs import StageProcess, free_port, redis_server, running_stage
-from stage0_script import corpus
 
 
 async def drive(
@@ -76,7 +76,7 @@ def redis_restart(stage: str, log_dir: Path, phase_s: float = 3.0, workers: int 
                 load = asyncio.create_task(drive(server.url, workers, stop, body, outcomes))
                 await asyncio.sleep(phase_s)
                 killed = time.monotonic()
-                await asyncio.to_thread(redis.stop, True)  # SIGKILL: a crash, no goodbye
+                await asyncio.to_thread(redis.stop)  # SIGKILL: a crash, no goodbye
                 await asyncio.sleep(phase_s)
                 restarted = time.monotonic()
                 await asyncio.to_thread(redis.start)  # empty: persistence is off

@@ -12,13 +12,11 @@ answer is added to those that count as rejecting schema-breaking input: 413, for
 over MAX_BODY_BYTES (a 500-example run generated a 2.4 MB string, over ``maxLength``
 and over the body limit; the size is checked first, and 413 is the documented answer).
 
-    python -m benchmarks.reliability.fuzz http://127.0.0.1:8000 --examples 500
+``make fuzz`` runs it through tests/test_fuzz_schema.py; ``make results ONLY=reliability`` counts it.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -107,23 +105,3 @@ def _fuzz_operation(
         report.statuses[response.status_code] = report.statuses.get(response.status_code, 0) + 1
 
     run()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("url", help="base URL of a running stage, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--examples", type=int, default=500, help="examples per operation and mode")
-    args = parser.parse_args(argv)
-    report = fuzz_server(args.url.rstrip("/"), args.examples)
-    for key, n in report.requests.items():
-        print(f"{n:6d}  {key}")
-    print(f"{report.total_requests} requests in {report.seconds:.0f} s; statuses {report.statuses}")
-    for failure in report.failures:
-        print("FAIL", failure, file=sys.stderr)
-    return 1 if report.failures else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

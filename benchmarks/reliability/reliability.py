@@ -1,6 +1,6 @@
 """The reliability report: every hostile input and every fault, counted, for the docs.
 
-    make reliability                                     # about 8 minutes, 100 fuzz examples
+    make results ONLY=reliability                                     # about 8 minutes, 100 fuzz examples
     python -m benchmarks.reliability.reliability --quick  # 5 fuzz examples, about 5 minutes
     python -m benchmarks.reliability.reliability --record # docs/results/reliability.*
 

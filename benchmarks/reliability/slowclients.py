@@ -1,7 +1,5 @@
 """Slow clients ("slowloris"): connections that send a request a few bytes at a time.
 
-    python -m benchmarks.reliability.slowclients --url http://127.0.0.1:8000 --body 100 --headers 100
-
 A slow client costs an asyncio server no thread and no batch slot, only a connection and a
 task. The danger is that it costs them forever. Two kinds are sent here, both while ordinary
 requests keep arriving:
@@ -15,19 +13,18 @@ requests keep arriving:
   against many of them is a proxy in front (nginx's ``client_header_timeout``) or a
   connection limit, and ``docs/reliability.md`` says so.
 
-Every ordinary request must be answered 200 while the slow ones are open.
+Every ordinary request must be answered 200 while the slow ones are open (tests/test_slow_clients.py;
+``make results ONLY=reliability`` counts it for the docs).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import statistics
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import httpx
@@ -153,23 +150,3 @@ async def run(
     result.ordinary_p50_ms = round(statistics.median(ms for _, ms in answers), 2)
     result.ordinary_max_ms = round(max(ms for _, ms in answers), 2)
     return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--body", type=int, default=100, help="slow-body connections")
-    parser.add_argument("--headers", type=int, default=100, help="slow-header connections")
-    parser.add_argument("--interval", type=float, default=0.25, help="seconds between bytes")
-    args = parser.parse_args(argv)
-    result = asyncio.run(run(args.url, args.body, args.headers, args.interval))
-    summary = asdict(result)
-    summary["body_answer_s"] = [round(min(result.body_answer_s), 2), round(max(result.body_answer_s), 2)]
-    print(json.dumps(summary, indent=1))
-    return 0 if result.ordinary_ok == result.ordinary else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,10 @@
 """Project-written sentences of varied length and topic, reproducible from a seed.
 
-Used for the quantization quality gate, static-INT8 calibration, the benchmarks and
-the load tests. Sentences are assembled from small hand-written templates, so every
-call with the same seed yields the same texts, and different seeds yield texts the
-cache has not seen.
+Used for stage 0's quantization quality gate and static-INT8 calibration, the benchmarks, the
+load tests and the tests; it lives in ``common`` so that none of them depends on stage 0 for its
+texts (a stage may import ``common``, the measuring kit may import both). Sentences are assembled
+from small hand-written templates, so every call with the same seed yields the same texts, and
+different seeds yield texts the cache has not seen.
 """
 
 from __future__ import annotations
