@@ -7,8 +7,8 @@ missed, it would have run in a batch instead, which on this model's CPU path cos
 about as much as a lone run (the cost model chapter measures both).
 
 Batching's saving is not estimated: what a batch's texts would have cost run apart cannot be
-measured without running them apart. Pricing them from the curve of lone runs reported large
-savings where the cost model measures a text in a batch as dearer than alone. The batch
+measured without running them apart. Pricing them from the curve of lone runs reported
+savings far larger than the cost model finds batching can buy on two CPU cores. The batch
 charts show what batching did instead: sizes, padding and model time per batch.
 """
 
