@@ -35,6 +35,7 @@ function makeChart(id, series, opts) {
     {
       width: box.clientWidth,
       height: HEIGHT,
+      padding: [null, 28, null, null], // room on the right for the last time label (null: uPlot's own)
       series: [{}, ...series],
       scales: { x: { time: true }, y: { range: (u, min, max) => [Math.min(0, min), max > 0 ? max * 1.1 : 1] } },
       axes: [{ values: "{HH}:{mm}:{ss}" }, { size: 50 }], // the time only: the date would take a line
