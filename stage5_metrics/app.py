@@ -6,7 +6,7 @@ stage only watches, and everything it shows comes from one Prometheus registry:
 * ``GET /metrics``: the registry as Prometheus text (``metrics.py``, ``stage_counts.py``);
 * ``GET /v1/metrics`` and ``GET /v1/dashboard``: the last minute and since start, as JSON,
   from a window that samples the registry every second (``window.py``, ``views.py``), with
-  the model-seconds saved by the cache and by batching (``savings.py``);
+  with the model time the cache saved (``savings.py``);
 * ``GET /dashboard``: a live page with uPlot charts, served by the server itself (``static/``);
 * one JSON log line per request, with its ``X-Request-ID`` (``telemetry.py``, ``logs.py``).
 
@@ -49,13 +49,13 @@ class MetricsBackend(stage4.CacheBackend):
         # NEW: the batcher reports each batch once, after the model call.
         super().__init__(engine, settings, on_batch=self.on_batch, on_drain=on_drain, drain_on_signal=True)
         self.metrics, self.window = metrics, window
-        self.cost: CostModel | None = None  # NEW: the savings baseline, measured at start
+        self.cost: CostModel | None = None  # NEW: a lone text's cost, to price cache hits
         # NEW: stages 3 and 4's own counts, read when collected
         metrics.earlier_stages.source = self.stage_counts
 
     async def start(self) -> None:
         await super().start()
-        # NEW: time the model on lone texts once, the baseline of the savings estimate.
+        # NEW: time the model on lone texts once: what a cache hit saves.
         self.cost = await run_in_threadpool(CostModel.measure, self.engine)
         self.window.start()  # NEW: sample the registry every second
 
@@ -72,7 +72,7 @@ class MetricsBackend(stage4.CacheBackend):
         # NEW: count the typed result: texts, tokens, queue time, cache hits and what they saved.
         n, tokens = len(job.texts), sum(result.n_tokens)
         hits = result.cache_hits if result.cache_hits is not None and not result.cache_bypassed else None
-        saved_ms = hits * self.cost.alone_ms(tokens / n) if hits and self.cost is not None else 0.0
+        saved_ms = self.cost.cache_saved_ms(hits or 0, n, tokens) if self.cost is not None else 0.0
         queue_s = None if result.queue_ms is None else result.queue_ms / 1e3
         self.metrics.observe_result(n, tokens, queue_s, saved_ms / 1e3)
         if record is not None:  # NEW: and what the request's log line says
@@ -86,13 +86,9 @@ class MetricsBackend(stage4.CacheBackend):
     # --8<-- [start:on_batch]
     def on_batch(self, batch: BatchRecord) -> None:
         """Called by stage 3's batcher after each model call: once per batch, not per text."""
-        failed = batch.error is not None
-        saved_ms = 0.0
-        if self.cost is not None and not failed:
-            saved_ms = self.cost.batch_saved_ms(batch.size, batch.real_tokens, batch.inference_ms)
         self.metrics.observe_batch(
-            batch.size, batch.padded_tokens, batch.real_tokens, batch.tier, batch.inference_ms / 1e3, failed,
-            saved_ms / 1e3,
+            batch.size, batch.padded_tokens, batch.real_tokens, batch.tier, batch.inference_ms / 1e3,
+            batch.error is not None,
         )  # fmt: skip
 
     # --8<-- [end:on_batch]

@@ -67,7 +67,6 @@ def add_dashboard_routes(app: FastAPI, metrics: Metrics, window: Window) -> None
         payload = metrics_payload(request, metrics, window)
         payload["series"] = series(window)
         payload["step_s"] = window.step
-        payload["model_slots"] = request.app.state.settings.batch_concurrency  # model calls side by side
         cost = getattr(getattr(request.app.state, "backend", None), "cost", None)
         if cost is not None:  # measured when the model has loaded
             payload["cost_model"] = cost.as_dict()

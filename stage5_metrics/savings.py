@@ -1,17 +1,15 @@
-"""How many model-seconds the cache and the batcher saved: an estimate, and how it is made.
+"""How much model time the cache saved, and why batching's saving is not estimated.
 
-The baseline is stage 2: every text runs alone. At start the server times the model on one
-text of a few lengths (the median of five runs each) and interpolates between them. Then
+At start the server times the model on one text of a few lengths (the median of five runs
+each) and interpolates between them. A text answered from the cache saved what running it
+alone costs: each hit is priced as a lone run at its request's mean text length. Had it
+missed, it would have run in a batch instead, which on this model's CPU path costs a text
+about as much as a lone run (the cost model chapter measures both).
 
-* a text answered from the cache saved what running it alone would have cost;
-* a batch of n texts saved n runs alone minus what the batch took (negative when padding
-  made it slower: reported as measured, not clipped).
-
-The machine's speed changes (other processes, thermal limits), so every batch of one text
-re-measures the baseline: a moving average of (measured / predicted) scales the curve.
-
-Spent + saved by batching + saved by cache is the model time the same traffic would have
-needed with neither.
+Batching's saving is not estimated: what a batch's texts would have cost run apart cannot be
+measured without running them apart. Pricing them from the curve of lone runs reported
+savings far larger than the cost model finds batching can buy on two CPU cores. The batch
+charts show what batching did instead: sizes, padding and model time per batch.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ class CostModel:
         self.tokens = [float(n) for n, _ in points]
         # Timing noise must not make a longer text look cheaper.
         self.ms = np.maximum.accumulate([ms for _, ms in points]).tolist()
-        self.scale = 1.0  # measured / predicted, from batches of one
 
     @classmethod
     def measure(cls, engine: Engine, repeats: int = 5) -> CostModel:
@@ -49,10 +46,9 @@ class CostModel:
             points.append((len(ids), float(np.median(runs))))
         return cls(points)
 
+    # --8<-- [start:estimate]
     def alone_ms(self, n_tokens: float) -> float:
-        return self.scale * self._curve(n_tokens)
-
-    def _curve(self, n_tokens: float) -> float:
+        """A lone run of a text this long: interpolated between the measured lengths."""
         # Plain Python: np.interp on one number costs more than the rest of this function.
         i = bisect_left(self.tokens, n_tokens)
         if i == 0:
@@ -62,19 +58,10 @@ class CostModel:
         x0, x1, y0, y1 = self.tokens[i - 1], self.tokens[i], self.ms[i - 1], self.ms[i]
         return y0 + (y1 - y0) * (n_tokens - x0) / (x1 - x0)
 
-    # --8<-- [start:estimate]
-    def batch_saved_ms(self, size: int, real_tokens: int, inference_ms: float) -> float:
-        if size <= 1:  # a batch of one is the baseline itself: track the machine's speed
-            predicted = self._curve(real_tokens)
-            if predicted > 0 and inference_ms > 0:
-                self.scale = 0.9 * self.scale + 0.1 * inference_ms / predicted
-            return 0.0
-        return size * self.alone_ms(real_tokens / size) - inference_ms
+    def cache_saved_ms(self, hits: int, texts: int, tokens: int) -> float:
+        """What a request's cache hits saved: each a lone run at the request's mean text length."""
+        return hits * self.alone_ms(tokens / texts) if hits else 0.0
 
     # --8<-- [end:estimate]
     def as_dict(self) -> dict[str, object]:
-        return {
-            "tokens": self.tokens,
-            "alone_ms": [round(x, 3) for x in self.ms],
-            "scale": round(self.scale, 3),
-        }
+        return {"tokens": self.tokens, "alone_ms": [round(x, 3) for x in self.ms]}

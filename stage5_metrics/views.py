@@ -71,7 +71,7 @@ def _ratio(part: float, whole: float, digits: int = 4) -> float | None:
 
 
 def summary(a: Snapshot, b: Snapshot) -> dict[str, Any]:
-    """Everything a person asks about a span: rates, latency, cache, batches, rejections, savings."""
+    """Everything a person asks about a span: rates, latency, cache, batches, rejections, model time."""
     d = _Delta(a, b)
     statuses = d.statuses()
     requests = sum(statuses.values())
@@ -79,11 +79,7 @@ def summary(a: Snapshot, b: Snapshot) -> dict[str, Any]:
     batches = d("batch_size_texts_count")
     sizes = sorted(b.sizes)
     cumulative = [b.sizes[x] - a.sizes.get(x, 0.0) for x in sizes]
-    spent, by_cache, by_batching = (
-        d("batch_inference_seconds_sum"),
-        d("model_saved_seconds cache"),
-        d("model_saved_seconds batching"),
-    )
+    spent, by_cache = d("batch_inference_seconds_sum"), d("cache_saved_model_seconds_total")
     return {
         "seconds": round(d.seconds, 1),
         "requests": requests,
@@ -125,8 +121,7 @@ def summary(a: Snapshot, b: Snapshot) -> dict[str, Any]:
         "savings": {
             "model_s_spent": round(spent, 3),
             "model_s_saved_by_cache": round(by_cache, 3),
-            "model_s_saved_by_batching": round(by_batching, 3),
-            "saved_fraction": _ratio(by_cache + by_batching, by_cache + by_batching + spent),
+            "saved_fraction": _ratio(by_cache, by_cache + spent),  # of what it would have spent without
         },
     }
 
@@ -148,9 +143,6 @@ def point(t: int, a: Snapshot, b: Snapshot) -> dict[str, Any]:
         "avg_batch": _ratio(d("batch_size_texts_sum"), batches, 2),
         "queue_depth_max": round(b.depth_max),
         "tiers": {tier: round(d(f"batches_total {tier}")) for tier in TIERS},
-        "saved_cache_s": round(d("model_saved_seconds cache"), 4),
-        "saved_batch_s": round(d("model_saved_seconds batching"), 4),
-        "spent_s": round(d("batch_inference_seconds_sum"), 4),
     }
 
 

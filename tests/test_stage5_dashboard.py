@@ -2,7 +2,8 @@
 
 The page draws its charts (uPlot, served by the server) from the first answer, fills them as
 traffic arrives, draws a pause in traffic as zero, leaves no hole in its grid and wraps no
-table cell. The chapter's screenshot is taken by ``benchmarks/stage5_screenshot.py`` after a
+table cell; its legends show the latest point when no cursor is over a chart, and all of it fits
+in a 1400x1000 window. The chapter's screenshot is taken by ``benchmarks/stage5_screenshot.py`` after a
 minute of traffic; this test saves its own picture in a temporary folder only.
 """
 
@@ -21,7 +22,7 @@ from playwright.sync_api import Browser, Page, sync_playwright
 
 from benchmarks.stage5_screenshot import CHROMIUM, CHROMIUM_ARGS, traffic
 
-CHARTS = ("c-throughput", "c-latency", "c-hits", "c-batches", "c-queue", "c-tiers", "c-savings")
+CHARTS = ("c-throughput", "c-latency", "c-hits", "c-batches", "c-queue", "c-tiers")
 TIME_CHARTS = tuple(c for c in CHARTS if c != "c-batches")  # x is time; batches: x is the size
 
 
@@ -107,8 +108,10 @@ def test_dashboard_fills_with_traffic(watched: Watched, server: Server, tmp_path
     # requests/s is drawn last, so on top of texts/s (equal when every request has one text)
     labels = page.evaluate("window.charts['c-throughput'].series.map(s => s.label)")
     assert labels[1:] == ["texts/s", "requests/s"]
-    why = page.text_content("#t-saved-why") or ""
-    assert "model slots" in why and "can exceed uptime" in why
+    assert (page.text_content("#t-lat") or "").endswith(" ms")  # the tile's value says its unit
+    assert (page.text_content("#t-saved") or "").endswith(" s")
+    why = page.text_content("#t-saved-why") or ""  # what the saving is, in one sentence on the page
+    assert "cache hit" in why and "run alone" in why and "batching's saving is not estimated" in why
     assert watched.errors == []
     page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
     assert (tmp_path / "dashboard.png").stat().st_size > 20_000
@@ -132,6 +135,37 @@ def test_no_hole_in_the_grid_and_no_wrapped_cell(watched: Watched) -> None:
         assert layout[grid]["used"] % layout[grid]["columns"] == 0, layout
     assert max(layout["rows"]) - min(layout["rows"]) < 2, layout  # one line per table row
     assert layout["tableWidth"] <= layout["cardWidth"], layout
+
+
+def test_legends_show_the_latest_point_without_hovering(watched: Watched) -> None:
+    """uPlot's legend shows the point under the cursor: away from the charts, it shows the latest."""
+    watched.page.mouse.move(5, 5)  # on the header, over no chart
+    legends = watched.page.evaluate(
+        """() => Object.entries(window.charts).filter(([id, u]) => u.legend.show !== false).map(([id, u]) => [
+            id, u.data.slice(1).map(s => s[s.length - 1]),
+            [...u.root.querySelectorAll('.u-legend .u-series .u-value')].slice(1).map(e => e.textContent),
+        ])"""
+    )
+    assert {chart for chart, _, _ in legends} == set(TIME_CHARTS), legends  # the size histogram has none
+    for chart, last, shown in legends:
+        assert len(shown) == len(last) and all(v not in ("", "--", "–") for v in shown), (chart, shown)
+        if chart != "c-tiers":  # the tiers' legend shows each tier's count, not the stacked total drawn
+            for value, text in zip(last, shown, strict=True):  # the last point's, as fmt() writes it
+                assert float(text.replace(",", "")) == pytest.approx(value, rel=0.01, abs=0.01), chart
+
+
+def test_everything_fits_in_a_1400_by_1000_window(watched: Watched) -> None:
+    """Every tile, chart, the table and the footer lie inside the window, nothing beyond its edges."""
+    boxes = watched.page.evaluate(
+        """() => [...document.querySelectorAll('.tile, .card, footer')].map(e => {
+            const r = e.getBoundingClientRect();
+            return [e.querySelector('h2, .label')?.textContent || e.tagName, r.bottom, r.right];
+        })"""
+    )
+    size = watched.page.viewport_size
+    assert size == {"width": 1400, "height": 1000} and len(boxes) == 7 + len(CHARTS) + 2
+    assert all(bottom <= 1000 and right <= 1400 for _, bottom, right in boxes), boxes
+    assert watched.page.evaluate("document.scrollingElement.scrollHeight") <= 1000
 
 
 def test_a_pause_is_drawn_as_zero(watched: Watched, server: Server) -> None:

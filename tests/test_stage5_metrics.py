@@ -15,6 +15,7 @@ from conftest import Server, run_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.engine import Engine
+from stage5_metrics.savings import CostModel
 
 STAGE = "stage5_metrics"
 SECRET = "PRIVATE-TEXT-7f3a"  # must never reach a log line or a metric
@@ -214,6 +215,27 @@ def test_json_views_after_traffic(server: Server) -> None:
     assert any(p["p99_ms"] is not None for p in recent)
     assert any(p["avg_batch"] is not None for p in recent)
     assert dashboard["cost_model"]["alone_ms"] == sorted(dashboard["cost_model"]["alone_ms"])
+
+
+def test_the_cache_saving_is_its_hits_priced_as_lone_runs(server: Server) -> None:
+    """A request answered from the cache adds its hits times a lone run of its mean length, and
+    nothing else counts as saved (batching's saving is not estimated)."""
+    texts = unique("saving", 3)
+    assert httpx.post(f"{server.url}/v1/embed", json={"inputs": texts}, timeout=60).status_code == 200
+    before = scrape(server.url)
+    assert httpx.post(f"{server.url}/v1/embed", json={"inputs": texts}, timeout=60).status_code == 200
+    after = scrape(server.url)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("embedserve_cache_hits_total", tier="memory") == 3
+    tokens = delta("embedserve_tokens_total")
+    curve = httpx.get(f"{server.url}/v1/dashboard").json()["cost_model"]
+    alone_ms = CostModel(list(zip(curve["tokens"], curve["alone_ms"], strict=True))).alone_ms(tokens / 3)
+    saved = "embedserve_cache_saved_model_seconds_total"
+    assert delta(saved) == pytest.approx(3 * alone_ms / 1e3, rel=1e-3) and delta(saved) > 0
+    assert [name for name, _ in after if "saved" in name] == [saved]
 
 
 def test_request_log_lines(server: Server, engine: Engine) -> None:

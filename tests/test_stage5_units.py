@@ -37,7 +37,7 @@ def traffic(metrics: Metrics, n: int, ms: float = 5.0, texts: int = 2, hits: int
     for _ in range(n):
         metrics.observe_request("/v1/embed", 200, ms / 1e3)
         metrics.observe_result(texts, 10 * texts, 0.001, 0.002 * hits)
-    metrics.observe_batch(n * (texts - hits), 160, 120, "medium", 0.02, failed=False, saved_s=0.03)
+    metrics.observe_batch(n * (texts - hits), 160, 120, "medium", 0.02, failed=False)
 
 
 def test_percentiles_interpolate_inside_a_bucket() -> None:
@@ -73,9 +73,7 @@ def test_last_minute_forgets_and_since_start_remembers() -> None:
     assert since["batches"]["count"] == 1 and since["batches"]["size_distribution"] == {"10": 1}
     assert since["batches"]["tiers"] == {"low": 0, "medium": 1, "high": 0}
     assert since["batches"]["padding_ratio"] == 0.25
-    assert since["savings"]["model_s_spent"] == 0.02 and since["savings"]["model_s_saved_by_batching"] == 0.03
-    assert since["savings"]["model_s_saved_by_cache"] == 0.02
-    assert since["savings"]["saved_fraction"] == round(0.05 / 0.07, 4)
+    assert since["savings"] == {"model_s_spent": 0.02, "model_s_saved_by_cache": 0.02, "saved_fraction": 0.5}
     assert since["queue_ms_mean"] == 1.0
     clock.now += 600  # long after: since start still has it all
     window.sample()
@@ -115,7 +113,7 @@ def test_series_points_cover_the_window_and_a_pause_is_zero() -> None:
     pause, busy_step = points[10], points[-1]
     assert pause["requests_per_s"] == 0 and pause["texts_per_s"] == 0 and pause["queue_depth_max"] == 0
     assert pause["p50_ms"] is None and pause["hit_rate"] is None and pause["avg_batch"] is None
-    assert pause["tiers"] == {"low": 0, "medium": 0, "high": 0} and pause["spent_s"] == 0
+    assert pause["tiers"] == {"low": 0, "medium": 0, "high": 0}
     busy = [p for p in points if p["requests_per_s"] > 0]
     assert busy and all(p["requests_per_s"] == pytest.approx(2.0, abs=0.5) for p in busy[:-1])
     assert max(p["queue_depth_max"] for p in points) == 7  # the deepest queue of its step
@@ -146,17 +144,15 @@ def test_cost_model_is_measured_and_monotonic(engine: Engine) -> None:
     assert cost.tokens == sorted(cost.tokens) and cost.tokens[0] >= 3
     assert cost.ms == sorted(cost.ms) and cost.ms[0] > 0
     assert cost.alone_ms(10) <= cost.alone_ms(200)
-    # A batch of eight saves eight lone calls minus what it took; a batch of one saves nothing.
-    alone = cost.alone_ms(16)
-    assert cost.batch_saved_ms(8, 8 * 16, alone * 2) == 8 * alone - alone * 2
-    assert cost.batch_saved_ms(1, 16, alone) == 0.0
 
 
-def test_cost_model_follows_the_machine() -> None:
-    cost = CostModel([(4, 1.0), (64, 4.0)])
-    for _ in range(60):  # lone calls now take twice the calibrated time
-        cost.batch_saved_ms(1, 64, 8.0)
-    assert 7.5 < cost.alone_ms(64) <= 8.0
+def test_cache_hits_are_priced_as_lone_runs() -> None:
+    cost = CostModel([(4, 1.0), (32, 3.0), (64, 2.5)])  # timing noise: 64 tokens measured cheaper
+    assert cost.ms == [1.0, 3.0, 3.0]  # a longer text never looks cheaper
+    assert cost.alone_ms(2) == 1.0 and cost.alone_ms(18) == 2.0 and cost.alone_ms(128) == 6.0
+    # Three hits in a request of four texts and 72 tokens: three lone runs of 18 tokens.
+    assert cost.cache_saved_ms(3, 4, 72) == 6.0
+    assert cost.cache_saved_ms(0, 4, 72) == 0.0
 
 
 def _record(**fields: object) -> logging.LogRecord:
@@ -232,7 +228,7 @@ def test_metrics_reference_is_current() -> None:
         "embedserve_batch_padding_ratio",
         "embedserve_cache_hits_total",
         "embedserve_rejected_requests_total",
-        "embedserve_model_saved_seconds",
+        "embedserve_cache_saved_model_seconds_total",
         "process_cpu_seconds_total",
     ):
         assert f"`{name}`" in reference.markdown()

@@ -1,11 +1,12 @@
 // The live dashboard: polls /v1/dashboard and draws its charts with uPlot (vendor/, no CDN).
 // The charts exist from the start (axes, no data) and are filled from the first answer on.
-// A pause in traffic is drawn as 0, never as a gap. For the browser test, each chart's element
+// A pause in traffic is drawn as 0, never as a gap. A legend shows the point under the cursor,
+// and the latest point when the cursor is elsewhere. For the browser test, each chart's element
 // carries data-points (points with a non-zero value) and window.charts holds the uPlot objects.
 "use strict";
 
 const POLL_MS = 2000;
-const HEIGHT = 190; // of the plot; uPlot puts the legend below it
+const HEIGHT = 200; // of the plot and its axes; uPlot puts the legend below it
 const COLORS = { blue: "#2563eb", amber: "#f59e0b", red: "#dc2626", green: "#16a34a", violet: "#7c3aed" };
 const charts = (window.charts = {});
 
@@ -18,6 +19,11 @@ function pct(v) { return v === null || v === undefined ? "–" : (100 * v).toFix
 function zero(values) { return values.map((v) => (v === null || v === undefined ? 0 : v)); }
 function setText(id, text) { document.getElementById(id).textContent = text; }
 
+// uPlot's legend shows the cursor's point, and dashes when there is none: show the latest instead.
+function showLatest(u) {
+  if (u.cursor.idx === null || u.cursor.idx === undefined) u.setLegend({ idx: u.data[0].length - 1 });
+}
+
 function line(label, stroke, extra) {
   return Object.assign({ label, stroke, width: 2, points: { show: false }, value: (u, v) => fmt(v) }, extra);
 }
@@ -29,10 +35,12 @@ function makeChart(id, series, opts) {
     {
       width: box.clientWidth,
       height: HEIGHT,
+      padding: [null, 28, null, null], // room on the right for the last time label (null: uPlot's own)
       series: [{}, ...series],
       scales: { x: { time: true }, y: { range: (u, min, max) => [Math.min(0, min), max > 0 ? max * 1.1 : 1] } },
-      axes: [{}, { size: 50 }],
+      axes: [{ values: "{HH}:{mm}:{ss}" }, { size: 50 }], // the time only: the date would take a line
       cursor: { drag: { x: false, y: false } },
+      hooks: { setCursor: [showLatest] },
     },
     opts || {},
   );
@@ -44,6 +52,7 @@ function makeChart(id, series, opts) {
 
 function fill(id, data) {
   charts[id].setData(data);
+  showLatest(charts[id]);
   const n = data[0].filter((_, i) => data.slice(1).some((s) => s[i] !== 0 && s[i] !== null)).length;
   document.getElementById(id).dataset.points = String(n);
 }
@@ -63,17 +72,15 @@ function createCharts() {
   ], {
     scales: { x: { time: false, distr: 2 }, y: { range: (u, min, max) => [0, max > 0 ? max * 1.1 : 1] } },
     axes: [{ label: "texts per batch", labelSize: 16 }, { size: 50 }],
+    legend: { show: false }, // the latest bar is only the largest size: the axis says the rest
   });
-  makeChart("c-queue", [line("queue depth", COLORS.violet, { paths: uPlot.paths.stepped({ align: 1 }) })]);
+  makeChart("c-queue", [line("queue depth", COLORS.violet, { paths: uPlot.paths.stepped({ align: 1 }), value: (u, v) => fmt(v, 0) })]);
   // Stacked: each series is drawn as the running total up to its tier, the legend shows its own count.
   const tier = (label, stroke, k) => ({
     label, stroke, fill: stroke, width: 0, points: { show: false },
     paths: uPlot.paths.stepped({ align: 1 }), value: (u, v, s, i) => (i === null ? "–" : fmt(tierCounts[k][i], 0)),
   });
   makeChart("c-tiers", [tier("high", COLORS.red, 2), tier("medium", COLORS.amber, 1), tier("low", COLORS.green, 0)]);
-  makeChart("c-savings", [
-    line("spent", COLORS.blue), line("saved by batching", COLORS.amber), line("saved by cache", COLORS.green),
-  ]);
 }
 let tierCounts = [[], [], []];
 
@@ -83,7 +90,7 @@ function render(d) {
   setText("uptime", `up ${fmt(d.uptime_s / 60, 1)} min`);
   setText("t-rps", fmt(m.requests_per_s));
   setText("t-tps", `${fmt(m.texts_per_s)} texts/s, last minute`);
-  setText("t-lat", `${fmt(m.latency_ms.p50)} / ${fmt(m.latency_ms.p99)}`);
+  setText("t-lat", `${fmt(m.latency_ms.p50)} / ${fmt(m.latency_ms.p99)} ms`);
   setText("t-p95", `p95 ${fmt(m.latency_ms.p95)} ms, last minute`);
   setText("t-hit", pct(m.cache.hit_rate));
   setText("t-dedup", `${s.cache.deduplicated} texts de-duplicated since start`);
@@ -94,10 +101,8 @@ function render(d) {
   const r = s.rejections;
   setText("t-rej", `${r.overload} / ${r.deadline} / ${r.disconnect}`);
   const sv = s.savings;
-  setText("t-saved", `${fmt(sv.model_s_saved_by_cache + sv.model_s_saved_by_batching)} s`);
-  setText("t-saved-sub", `cache ${fmt(sv.model_s_saved_by_cache)} s + batching ${fmt(sv.model_s_saved_by_batching)} s, since start`);
-  // Model-seconds, not wall time: two slots run at once and a cache hit saves a whole lone run.
-  setText("t-saved-why", `summed over ${d.model_slots} model slots and the cache: can exceed uptime`);
+  setText("t-saved", `${fmt(sv.model_s_saved_by_cache)} s`);
+  setText("t-saved-sub", `beside ${fmt(sv.model_s_spent)} s of model time spent (${pct(sv.saved_fraction)} saved), since start`);
 
   const t = series.map((p) => p.t), col = (k, scale) => zero(series.map((p) => (p[k] === null ? null : p[k] * (scale || 1))));
   fill("c-throughput", [t, col("texts_per_s"), col("requests_per_s")]);
@@ -109,8 +114,6 @@ function render(d) {
   tierCounts = ["low", "medium", "high"].map((k) => series.map((p) => p.tiers[k]));
   const low = tierCounts[0], medium = low.map((v, i) => v + tierCounts[1][i]), high = medium.map((v, i) => v + tierCounts[2][i]);
   fill("c-tiers", [t, high, medium, low]);
-  const perSec = (k) => series.map((p) => p[k] / (p.seconds || d.step_s));
-  fill("c-savings", [t, perSec("spent_s"), perSec("saved_batch_s"), perSec("saved_cache_s")]);
   summary(m, s);
   document.body.dataset.renders = String(Number(document.body.dataset.renders || 0) + 1);
 }
@@ -126,7 +129,7 @@ function summary(m, s) {
     ["batches (avg size)", (w) => `${w.batches.count} (${fmt(w.batches.avg_size)})`],
     ["tiers low / medium / high", (w) => `${w.batches.tiers.low} / ${w.batches.tiers.medium} / ${w.batches.tiers.high}`],
     ["rejected 503 / 504 / gone", (w) => `${w.rejections.overload} / ${w.rejections.deadline} / ${w.rejections.disconnect}`],
-    ["model s spent / saved", (w) => `${fmt(w.savings.model_s_spent)} / ${fmt(w.savings.model_s_saved_by_cache + w.savings.model_s_saved_by_batching)}`],
+    ["model s spent / saved by the cache", (w) => `${fmt(w.savings.model_s_spent)} / ${fmt(w.savings.model_s_saved_by_cache)}`],
   ];
   document.getElementById("summary").innerHTML = "<tr><th></th><th>last minute</th><th>since start</th></tr>" +
     rows.map(([name, f]) => `<tr><td>${name}</td><td>${f(m)}</td><td>${f(s)}</td></tr>`).join("");
