@@ -136,8 +136,9 @@ curl --no-progress-meter -Z --parallel-max 200 -o /dev/null -w '%{http_code} aft
   curl -s -o /dev/null -w '%header{x-cache}: %header{x-inference-time} ms in the model\n' $URL/v1/embed \
        -H 'content-type: application/json' -d '{"inputs": ["the same sentence, sent again"]}'
 done
-curl --no-progress-meter -Z -o /dev/null -H 'content-type: application/json' \
-     -d '{"inputs": ["a new sentence that 32 clients want at once"]}' "$URL/v1/embed?[1-32]"
+body=$(python3 -c 'import json; print(json.dumps({"inputs": [f"passage {i}: " + "words to read " * 60 for i in range(16)]}))')
+curl --no-progress-meter -Z --parallel-immediate -o /dev/null -H 'content-type: application/json' \
+     -d "$body" "$URL/v1/embed?[1-32]"
 curl -s $URL/v1/cache/metrics | python3 -c 'import json, sys; m = json.load(sys.stdin)
 print({"hits": m["cache"]["hits"], "deduplicated": m["deduplicated"], "rejected": m["rejected"]})'""",
         stage="stage4",
