@@ -73,7 +73,7 @@ PROFILE ?= unique-32
 DURATION ?= 30
 EVIDENCE = $(if $(QUICK),--quick) $(if $(RECORD),--record) $(if $(ALLOW_DIRTY),--allow-dirty)
 .PHONY: results loadtest loadtest-headless loadtest-screenshots compare bench bench-stage0 bench-stage2 \
-	bench-stage3 bench-stage3-refinements bench-stage4 bench-stage5 stage5-overhead bench-layers bench-flood bench-windows bench-request-path before-after \
+	bench-stage3 bench-stage3-refinements bench-stage4 bench-layers before-after \
 	dashboard-screenshot quant-study settings-doc evidence-check docs-outputs bench-cost-model
 
 ## results: every results file, table and plot the docs include, in order (QUICK=1: briefly, into out/)
@@ -112,27 +112,21 @@ bench-stage0: setup
 quant-study: setup
 	$(PY) -m benchmarks.quantization $(EVIDENCE) $(if $(STSB),--stsb $(STSB)) $(ARGS)
 
-## bench-stage2: what the API contract costs, stage 1 vs 2, the thread sweep (~11 min; QUICK=1 ~2 min)
+## bench-stage2: stage 2's thread sweep (~9 min; QUICK=1 ~2 min)
 bench-stage2: setup
-	$(PY) -m benchmarks.stage2_overhead $(EVIDENCE)
 	$(PY) -m benchmarks.stage2_threads $(EVIDENCE)
 
-## bench-stage3: stage 3 against stage 2 and the engine, batch size and window sweeps (~9 min; QUICK=1 ~3 min)
-bench-stage3: setup
+## bench-stage3: stage 3 against stage 2 and the engine, batch sizes, the tiers' windows by load (~15 min; QUICK=1 ~4 min)
+bench-stage3: setup tools
 	$(PY) -m benchmarks.stage3 $(EVIDENCE) $(ARGS)
 
 ## bench-stage3-refinements: what each stage 3 refinement changes, through the batcher alone (seconds)
 bench-stage3-refinements: setup
 	$(PY) -m benchmarks.stage3_refinements $(EVIDENCE) $(ARGS)
 
-## bench-stage4: cache hit latency by tier, pooled vs per-command Redis, repeats, overload (~3 min; QUICK=1 ~1 min)
-bench-stage4: setup
+## bench-stage4: cache hit latency by tier, pooled vs per-command Redis, repeats, overload, a flood (~5 min; QUICK=1 ~2 min)
+bench-stage4: setup tools
 	$(PY) -m benchmarks.stage4 $(EVIDENCE) $(ARGS)
-
-## bench-stage5: what metrics, logs and the dashboard cost, stage 5 vs stage 4; the middleware kind (~7 min; QUICK=1 ~2 min)
-bench-stage5 stage5-overhead: setup
-	$(PY) -m benchmarks.stage5 $(EVIDENCE) $(ARGS)
-	$(PY) -m benchmarks.stage5_middleware $(EVIDENCE)
 
 ## dashboard-screenshot: the stage 5 dashboard after a minute of traffic (Chromium; QUICK=1: 10 s)
 dashboard-screenshot: setup tools
@@ -142,21 +136,9 @@ dashboard-screenshot: setup tools
 before-after: setup
 	$(PY) -m benchmarks.before_after $(EVIDENCE) $(if $(BEFORE),--before $(BEFORE)) $(ARGS)
 
-## bench-layers: stages 2 to 5 in turns on all-unique texts, the engine as yardstick (~14 min; QUICK=1 ~1 min)
+## bench-layers: what a layer costs a request: stages 1 to 5 in turns under wrk, the engine as yardstick (~12 min; QUICK=1 ~2 min)
 bench-layers: setup tools
 	$(PY) -m benchmarks.layers $(EVIDENCE) $(ARGS)
-
-## bench-request-path: a lone request's Python calls on each stage's event loop, by where they are, and stage 5's by layer (~6 min; QUICK=1 ~2 min)
-bench-request-path: setup tools
-	$(PY) -m benchmarks.request_path $(EVIDENCE) $(ARGS)
-
-## bench-windows: stage 3's load-tier windows swept at 8, 32 and 128 connections (~8 min; QUICK=1 ~1 min)
-bench-windows: setup tools
-	$(PY) -m benchmarks.windows $(EVIDENCE) $(ARGS)
-
-## bench-flood: stage 5 under a 200-client flood, polite and impolite clients, by SHED_DELAY_MS (~6 min)
-bench-flood: setup tools
-	$(PY) -m benchmarks.flood $(EVIDENCE) $(ARGS)
 
 ## bench-cost-model: the cost model's constants and its prediction for every stage (~2 min; QUICK=1 ~30 s)
 bench-cost-model: setup tools
