@@ -29,7 +29,6 @@ import statistics
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ import redis.asyncio as aioredis
 
 from benchmarks.stage3 import bodies_for
 from loadtests import evidence, wrk
-from loadtests.harness import process_cpu, settle
+from loadtests.harness import Answer, post_bodies, process_cpu, settle
 from loadtests.procs import StageProcess, any_redis, running_stage
 from loadtests.tables import num, page, table
 from stage0_script import corpus
@@ -70,38 +69,10 @@ def _fresh(n: int, kind: str = "sentence") -> list[str]:
 
 
 # --- 1. hit latency by tier -----------------------------------------------------------------
-@dataclass
-class Answer:
-    status: int  # 0: the connection failed
-    ms: float
-    headers: dict[str, str]
-
-
-async def _closed_loop(url: str, texts: list[str], clients: int, keep_alive: bool) -> list[Answer]:
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients if keep_alive else 0)
-    todo = iter([orjson.dumps({"inputs": [t]}) for t in texts])
-    answers: list[Answer] = []
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=300) as client:
-
-        async def one_client() -> None:
-            for body in todo:  # shared: each text is sent once, by whichever client is free
-                started = time.perf_counter()
-                try:
-                    r = await client.post(
-                        "/v1/embed", content=body, headers={"content-type": "application/json"}
-                    )
-                    status, headers = r.status_code, dict(r.headers)
-                except httpx.HTTPError:
-                    status, headers = 0, {}
-                answers.append(Answer(status, (time.perf_counter() - started) * 1e3, headers))
-
-        await asyncio.gather(*(one_client() for _ in range(clients)))
-    return answers
-
-
 def _send(server: StageProcess, texts: list[str], clients: int, keep_alive: bool = True) -> list[Answer]:
     """Each text once, one text per request, ``clients`` at a time (closed loop)."""
-    return asyncio.run(_closed_loop(server.url, texts, clients, keep_alive))
+    bodies = [orjson.dumps({"inputs": [t]}) for t in texts]
+    return asyncio.run(post_bodies(server.url, bodies, clients, keep_alive=keep_alive))
 
 
 def _sequential(server: StageProcess, texts: list[str]) -> tuple[list[float], list[str]]:

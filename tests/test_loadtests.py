@@ -6,6 +6,7 @@ every profile, every figure present and positive), never speed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,13 +17,14 @@ import time
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
 from benchmarks import layers
 from benchmarks.compare_report import add_ratios
 from common.serve import available_stages
 from loadtests import wrk
-from loadtests.harness import Profile, classify_failures, percentile
+from loadtests.harness import Profile, classify_failures, percentile, post_bodies
 from tests.conftest import REPO, free_port
 
 USER_CLASSES = (
@@ -380,3 +382,13 @@ def test_layers_compares_each_stage_with_the_one_before() -> None:
         assert f"[start:{section}]" in page
     assert "3 / 2" in page
     assert "1.20×" in page  # stage 3 over stage 2 at both loads
+
+
+def test_post_bodies_sends_each_body_once_or_for_a_while(stage_url: str) -> None:
+    run = os.urandom(4).hex()  # texts no earlier run left in a shared cache
+    bodies = [orjson.dumps({"inputs": [f"post bodies test {run} {i}"]}) for i in range(6)]
+    once = asyncio.run(post_bodies(stage_url, bodies + bodies[:2], clients=1))
+    assert [a.status for a in once] == [200] * 8
+    assert [a.headers["x-cache"] for a in once] == ["miss"] * 6 + ["hit"] * 2  # in order, each once
+    timed = asyncio.run(post_bodies(stage_url, bodies, clients=2, seconds=0.5, keep_alive=False))
+    assert len(timed) > len(bodies) and all(a.status == 200 and a.ms > 0 for a in timed)
