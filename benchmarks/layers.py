@@ -227,7 +227,7 @@ def markdown(result: dict[str, Any]) -> str:
             ))  # fmt: skip
     sections["detail"] = table(
         ["connections", "stage", "p50 ms", "p99 ms", "server cores", "CPU ms/req", "loop CPU ms/req",
-         "model slots busy", "errors"],
+         "model slots busy", "errors or over 2 s"],
         detail,
         align="rlrrrrrrr",
     )  # fmt: skip
