@@ -3,7 +3,7 @@
     python -m benchmarks.cost_model            # about 2 minutes
     python -m benchmarks.cost_model --quick    # about 30 s, to see that it works
     python -m benchmarks.cost_model --record   # written to docs/results/cost_model.*
-    make bench-cost-model                      # the same (QUICK=1, RECORD=1)
+    make results ONLY=cost-model                      # the same (QUICK=1, RECORD=1)
 
 The constants, each measured on its own on this machine, on 12-20 word sentences (the texts of
 the load tests):
@@ -18,7 +18,7 @@ the load tests):
 * ``tokenize_ms``: one text through the tokenizer; ``hop_ms``: one hand-off to a worker thread
   and back (``run_in_executor`` of a function that does nothing);
 * ``http``: the server with the real API contract and no model (``benchmarks/null_backend``)
-  over sockets at 1 and 32 connections of ``wrk`` (as ``make bench-layers`` loads the stages):
+  over sockets at 1 and 32 connections of ``wrk`` (as ``make results ONLY=layers`` loads the stages):
   requests/s, and the server's and the load generator's CPU per request (it runs on the same
   cores, as in every load test here).
 
@@ -134,7 +134,7 @@ def _children_cpu() -> float:
 
 
 def http_constants(seconds: float, warmup: float, logs: Path) -> dict[str, dict[str, float]]:
-    """The null backend over sockets under ``wrk`` (as ``make bench-layers`` loads the stages):
+    """The null backend over sockets under ``wrk`` (as ``make results ONLY=layers`` loads the stages):
     requests/s, and the server's and the load generator's CPU ms per request."""
     bodies = bodies_for("sentence", 20_000, seed=4242)
     measured_s = max(1, math.ceil(seconds))  # wrk runs whole seconds
@@ -273,7 +273,7 @@ def markdown(result: dict[str, Any]) -> str:
     prediction += [
         "",
         "Predicted from the constants above; measured (req/s, one new sentence per request) by "
-        + ("; ".join(sources) if sources else "nothing yet: run `make bench-layers` and `make compare` first")
+        + ("; ".join(sources) if sources else "nothing yet: run `make results ONLY=layers` and `make compare` first")
         + ". `layers` loads the stages with `wrk`, as the constants were measured; `compare` uses"
         " Locust, which spends more CPU per request on the same cores. Two runs on machines of"
         " different speed show it in the engine's figure: compare a column with its own run's.",

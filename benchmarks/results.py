@@ -63,15 +63,6 @@ STEPS: tuple[Step, ...] = (
     # pytest-benchmark's own rounds, about 30 benchmarks (15 s last run)
     Step("bench", "microbenchmarks (pytest-benchmark)", "benchmarks.micro", ("bench.json",), 0.5, 0.3),
     Step(
-        "stage2-overhead",
-        "stage 1/2: what the contract costs",
-        "benchmarks.stage2_overhead",
-        ("stage2_overhead.json",),
-        2,
-        0.7,
-    ),
-    # 3 rounds x 2 client counts x (4 s + 1 s warm-up) x each setting (6 s points took 9.4 min)
-    Step(
         "stage2-threads",
         "stage 2: thread settings",
         "benchmarks.stage2_threads",
@@ -79,7 +70,14 @@ STEPS: tuple[Step, ...] = (
         6.7,
         1.5,
     ),
-    Step("stage3", "stage 3: batching sweeps", "benchmarks.stage3", ("stage3_sweep.json",), 9, 3),
+    Step(
+        "stage3",
+        "stage 3: batching sweeps, windows by load",
+        "benchmarks.stage3",
+        ("stage3_sweep.json",),
+        15,
+        4,
+    ),
     Step(
         "stage3-refinements",
         "stage 3: what each refinement changes (no HTTP)",
@@ -88,15 +86,13 @@ STEPS: tuple[Step, ...] = (
         0.2,
         0.2,
     ),
-    Step("stage4", "stage 4: cache tiers, repeats, overload", "benchmarks.stage4", ("stage4.json",), 3, 1.5),
-    Step("stage5", "stage 5: what watching costs", "benchmarks.stage5", ("stage5_overhead.json",), 4, 1),
     Step(
-        "stage5-middleware",
-        "stage 5: the middleware kind, the counters, the log line",
-        "benchmarks.stage5_middleware",
-        ("stage5_middleware.json",),
-        3,
-        0.5,
+        "stage4",
+        "stage 4: cache tiers, repeats, overload, a flood",
+        "benchmarks.stage4",
+        ("stage4.json",),
+        5,
+        2,
     ),
     # 60 s of traffic, a server and a browser
     Step(
@@ -107,19 +103,9 @@ STEPS: tuple[Step, ...] = (
         1.5,
         0.6,
     ),
-    Step("layers", "stages 2 to 5 in turns on unique texts", "benchmarks.layers", ("layers.json",), 14, 1),
     Step(
-        "request-path",
-        "a lone request's Python calls per stage, by where they are",
-        "benchmarks.request_path",
-        ("request_path.json",),
-        6,
-        1,
+        "layers", "what a layer costs: stages 1 to 5 in turns", "benchmarks.layers", ("layers.json",), 12, 2
     ),
-    Step("windows", "stage 3: load-tier windows by load", "benchmarks.windows", ("windows.json",), 8, 1),
-    Step("flood", "stage 5 under a flood, by SHED_DELAY_MS", "benchmarks.flood", ("flood.json",), 6, 1),
-    # 5 stages x 8 profiles x (10 s + about 3 s of Locust), 5 x (5 s warm-up + a start),
-    # the ceiling 2 kinds x 2 layouts x 7 batches x 3 s (9.5 min last run, at these defaults)
     Step(
         "compare",
         "every stage under the same Locust profiles",
@@ -220,7 +206,6 @@ PAGES: tuple[Page, ...] = (
         ("quantization.png",),
     ),
     Page("bench.json", "bench.md", "benchmarks.micro.__main__:markdown"),
-    Page("stage2_overhead.json", "stage2_overhead.md", "benchmarks.stage2_overhead:markdown"),
     Page(
         "stage2_threads.json",
         "stage2_threads.md",
@@ -231,12 +216,11 @@ PAGES: tuple[Page, ...] = (
     Page(
         "stage3_sweep.json",
         "stage3.md",
-        "benchmarks.stage3_report:markdown",
+        "benchmarks.stage3:markdown",
         "benchmarks.results:_draw_stage3",
         ("stage3_sweep.png",),
     ),
     Page("stage4.json", "stage4.md", "benchmarks.stage4:markdown"),
-    Page("stage5_overhead.json", "stage5_overhead.md", "benchmarks.stage5:markdown"),
     Page(
         "compare.json",
         "compare.md",
@@ -266,10 +250,6 @@ PAGES: tuple[Page, ...] = (
         images=("dashboard.png",),
     ),
     Page("layers.json", "layers.md", "benchmarks.layers:markdown"),
-    Page("request_path.json", "request_path.md", "benchmarks.request_path:markdown"),
-    Page("flood.json", "flood.md", "benchmarks.flood:markdown"),
-    Page("stage5_middleware.json", "stage5_middleware.md", "benchmarks.stage5_middleware:markdown"),
-    Page("windows.json", "windows.md", "benchmarks.windows:markdown"),
     Page("cost_model.json", "cost_model.md", "benchmarks.cost_model:markdown"),
     Page("before_after.json", "before_after.md", "benchmarks.compare:against_markdown"),
     Page("outputs.json", "outputs.md", "benchmarks.docs_outputs:markdown"),  # and outputs/<name>.txt
@@ -295,7 +275,7 @@ def _draw_stage2_threads(result: dict[str, Any], img: Path) -> None:
 
 
 def _draw_stage3(result: dict[str, Any], img: Path) -> None:
-    _function("benchmarks.stage3_report:plot")(result, img / "stage3_sweep.png")
+    _function("benchmarks.stage3:plot")(result, img / "stage3_sweep.png")
 
 
 def _draw_soak(result: dict[str, Any], img: Path) -> None:

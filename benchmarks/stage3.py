@@ -4,13 +4,17 @@
     python -m benchmarks.stage3 --quick    # a few seconds per point, about 3 minutes
     python -m benchmarks.stage3 --record   # written to docs/results/ and docs/img/
 
-Writes stage3_sweep.json, stage3.md (the tables the chapter includes) and stage3_sweep.png.
+Writes stage3_sweep.json, stage3.md (the tables the chapter and its lab notes include) and
+stage3_sweep.png.
 One run, one machine:
 
 * ``engine``: the engine alone on the same sentences at its best batch size (the ceiling), and
   what one more model call costs, in padded tokens (k calls of one row against one of k rows).
 * ``targets``: stage 2 and stage 3 with their defaults at 1 and 32 clients, unique sentences.
-* ``batch_size`` and ``window``: stage 3 with MAX_BATCH_SIZE 1..64 and BATCH_WINDOW_MS 0..20.
+* ``batch_size``: stage 3 with MAX_BATCH_SIZE 1..64.
+* ``windows``: how long should a batch wait? The load tiers with their windows (MEDIUM, HIGH),
+  one stage 3 server per pair, all running at once and taking turns at 8, 32 and 128
+  connections; 50 ms for both is the window many servers ship with.
 * ``concurrency``: BATCH_CONCURRENCY 1 and 2 (batches in the model at once), each with and
   without a 2 ms window, at 8 and 32 clients.
 * ``mixed``: queries and passages together at 32 clients, GROUP_BY_LENGTH and SPLIT_BY_LENGTH.
@@ -18,9 +22,8 @@ One run, one machine:
   grouping and length buckets.
 * ``variant``: MODEL_VARIANT=int8-static, where length buckets change no vector.
 
-The load comes from loadtests.httpload, a small asyncio HTTP/1.1 client (keep-alive, one connection
-per client, pre-built bodies): on 2 cores every millisecond the client spends is taken from the server, and
-this client spends about a tenth of what Locust does. Its own CPU time is recorded with each point.
+The load comes from ``wrk`` (closed loop, one new text per request): on 2 cores every millisecond
+the client spends is taken from the server, and wrk spends a small fraction of what Locust does.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -39,24 +44,30 @@ import numpy as np
 import orjson
 
 from benchmarks.compare import engine_ceiling
-from benchmarks.stage3_report import markdown, plot
 from common import corpus
 from common.engine import Engine
 from common.settings import Settings
-from loadtests import evidence
+from loadtests import evidence, wrk
+from loadtests.evidence import save_figure
 from loadtests.harness import settle
-from loadtests.httpload import post_requests, run_load
 from loadtests.procs import running_stage
+from loadtests.tables import num, page, table
 from stage3_batching.app import RefinedBatcher
 
 HOST = "127.0.0.1"
 BATCH_SIZES = (1, 4, 8, 16, 32, 64)
-WINDOWS_MS = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0)
+# (MEDIUM, HIGH) windows in ms; the first is the default, the last the common choice elsewhere.
+WINDOWS = ((0.0, 0.0), (0.0, 2.0), (2.0, 2.0), (0.0, 5.0), (5.0, 5.0), (50.0, 50.0))
+TIERS = ("low", "medium", "high")
 
 
-def load(port: int, bodies: list[bytes], clients: int, seconds: float, warmup: float) -> dict[str, Any]:
-    """Requests/s and latency percentiles of ``clients`` closed-loop clients over ``seconds``."""
-    return run_load(HOST, port, post_requests("/v1/embed", bodies), clients, seconds, warmup)
+def load(url: str, bodies: list[bytes], clients: int, seconds: float, warmup: float) -> dict[str, Any]:
+    """Requests/s and latency percentiles of ``clients`` wrk connections over ``seconds``, after
+    ``warmup`` seconds of the same load on other texts."""
+    wrk.run(url, bodies[::-1], clients, warmup)
+    point = wrk.run(url, bodies, clients, seconds)
+    errors = point.pop("socket_errors") + round(point.pop("non_2xx_per_s") * max(1, round(seconds)))
+    return {"clients": point.pop("connections"), **point, "errors": errors}
 
 
 def bodies_for(kind: str, n: int, seed: int) -> list[bytes]:
@@ -70,12 +81,11 @@ def run_stage(
     results = []
     with running_stage(stage, evidence.OUT / "logs" / "stage3", env, port=port or None, host=HOST) as server:
         url = server.url
-        port = server.port
         for kind, clients in points:
             settle(server.pid, url)
             before = _batcher_metrics(url)
             point = load(
-                port, bodies_for(kind, 20_000, seed=31 + clients), clients, args.duration, args.warmup
+                url, bodies_for(kind, 20_000, seed=31 + clients), clients, args.duration, args.warmup
             )
             after = _batcher_metrics(url)
             point.update({"stage": stage, "kind": kind, **{k.lower(): _num(v) for k, v in env.items()}})
@@ -129,10 +139,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     out["batch_size"] = []
     for size in BATCH_SIZES:
         out["batch_size"] += run_stage(s3, {"MAX_BATCH_SIZE": str(size)}, SENTENCES[1:], args, port)
-    out["window"] = []
-    for window in WINDOWS_MS:
-        env = {"BATCH_WINDOW_MS": str(window)}
-        out["window"] += run_stage(s3, env, [("sentence", 4), ("sentence", 32)], args, port)
+    out["windows"] = windows(args)
     out["concurrency"] = []  # model slots and the window, together: one decides the other
     for slots in (1, 2):
         for window in (0.0, 2.0):
@@ -148,6 +155,45 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     out["load_average"]["after"] = os.getloadavg()[0]
     out["summary"] = summarize(out)
     return out
+
+
+def windows(args: argparse.Namespace, clients: Sequence[int] = (8, 32, 128)) -> dict[str, Any]:
+    """Every (MEDIUM, HIGH) pair of windows a stage 3 server, all at once, measured in turns."""
+    points: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        env = {w: {"BATCH_WINDOW_MS": f"{w[0]:g}", "BATCH_WINDOW_HIGH_MS": f"{w[1]:g}"} for w in WINDOWS}
+        logs = evidence.OUT / "logs" / "stage3"
+        servers = {w: stack.enter_context(running_stage("stage3_batching", logs, env[w])) for w in WINDOWS}
+        for n in clients:
+            for round_ in range(args.rounds):
+                for w, server in servers.items():  # every pair once per round, in turns
+                    settle(server.pid, server.url)
+                    bodies = bodies_for("sentence", 60_000, seed=8000 + 100 * round_ + n)
+                    before = _batcher_metrics(server.url)
+                    point = load(server.url, bodies, n, args.duration, args.warmup)
+                    point.update(medium_ms=w[0], high_ms=w[1], round=round_)
+                    after = _batcher_metrics(server.url)
+                    if before and after:
+                        point.update(batch_delta(before, after))
+                    print(json.dumps(point), flush=True)
+                    points.append(point)
+    rows = []
+    for n in clients:
+        for medium, high in WINDOWS:
+            mine = [p for p in points if (p["clients"], p["medium_ms"], p["high_ms"]) == (n, medium, high)]
+            tiers = {t: sum(p["tiers"][t] for p in mine) for t in TIERS}
+            rows.append({
+                "clients": n, "medium_ms": medium, "high_ms": high,
+                **{k: _median([p[k] for p in mine]) for k in ("requests_per_s", "p50_ms", "p99_ms")},
+                "average_batch_size": statistics.median(p["average_batch_size"] for p in mine),
+                "tier_share": {t: round(tiers[t] / (sum(tiers.values()) or 1), 3) for t in TIERS},
+            })  # fmt: skip
+    return {"rounds": args.rounds, "points": points, "summary": rows}
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def call_overhead(k: int = 16, length: int = 24, repeats: int = 7) -> dict[str, float]:
@@ -224,6 +270,120 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
     return {"measured": measured, "target": target, "met": met}
 
 
+# --- the report ------------------------------------------------------------------------
+HTTP_HEAD = ["clients", "req/s", "p50 ms", "p99 ms", "avg batch", "padding"]
+
+
+def _http_table(points: list[dict[str, Any]], first: str, key: str) -> list[str]:
+    return table(
+        [first, *HTTP_HEAD],
+        [
+            (p[key] if key in p else p["stage"], p["clients"], num(p["requests_per_s"]), num(p["p50_ms"]),
+             num(p["p99_ms"]), num(p.get("average_batch_size") or None),
+             "–" if p.get("padding_ratio") is None else f"{p['padding_ratio']:.0%}")
+            for p in points
+        ],
+    )  # fmt: skip
+
+
+def _windows_table(rows: list[dict[str, Any]]) -> list[str]:
+    best: dict[int, float] = {}
+    for row in rows:
+        best[row["clients"]] = max(best.get(row["clients"], 0.0), row["requests_per_s"])
+    return table(
+        ["connections", "window ms, MEDIUM / HIGH", "req/s", "of best", "p50 ms", "p99 ms", "avg batch",
+         "batches % LOW / MEDIUM / HIGH"],
+        [(r["clients"], f"{r['medium_ms']:g} / {r['high_ms']:g}", num(r["requests_per_s"], 0),
+          f"{r['requests_per_s'] / best[r['clients']]:.2f}", num(r["p50_ms"], 1), num(r["p99_ms"], 1),
+          num(r["average_batch_size"], 1), " / ".join(f"{100 * r['tier_share'][t]:.0f}" for t in TIERS))
+         for r in rows],
+        align="rlrrrrrr",
+    )  # fmt: skip
+
+
+def _setting(point: dict[str, Any]) -> str:
+    keys = ("group_by_length", "split_by_length", "model_variant")
+    return ", ".join(f"{k.upper()}={point[k]}" for k in keys if k in point) or "defaults"
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def markdown(out: dict[str, Any]) -> str:
+    e, cores = out["engine"], out["stamp"]["machine"]["logical_cores"]
+    call, load = e["call_overhead"], out["load_average"]
+    note = (
+        f"{out['duration_s']:.0f} s per point; 1-minute load average {load['before']:.1f} before the run"
+        f" and {load['after']:.1f} after"
+        + (f" (above {cores} before it: other work shared the cores, and the absolute numbers are low)."
+           if load["before"] > cores else ".")
+    )  # fmt: skip
+    summary = out["summary"]
+    sections = {
+        "engine": [f"Engine alone on the same sentences: **{e['texts_per_s']:.0f} texts/s** at batch "
+                   f"{e['best_batch']}, {e.get('best_calls_at_once', 1)} call(s) side by side. "
+                   f"One more model call costs about {call['fixed_ms']:.2f} ms of CPU, "
+                   f"as much as **{call['tokens']:.0f} padded tokens**."],
+        "engine_batches": table(["batch size", *e["by_batch"]],
+                                [["texts/s", *(num(v, 0) for v in e["by_batch"].values())]]),
+        "targets": _http_table(out["targets"], "stage", "stage"),
+        "summary": table(["ratio", "measured", "target", "met"],
+                         [(k, f"{v:.2f}", summary["target"][k], "yes" if summary["met"][k] else "**no**")
+                          for k, v in summary["measured"].items()], align="lrrl"),
+        "batch_size": _http_table(out["batch_size"], "MAX_BATCH_SIZE", "max_batch_size"),
+        "windows": _windows_table(out["windows"]["summary"]),
+        "concurrency": _http_table(
+            [{**p, "setting": f"{p['batch_concurrency']}, {p['batch_window_ms']:g} ms"}
+             for p in out.get("concurrency", [])],
+            "BATCH_CONCURRENCY, BATCH_WINDOW_MS", "setting"),
+        "mixed": _http_table([{**p, "setting": _setting(p)} for p in out["mixed"]], "setting", "setting"),
+        "variant": _http_table([{**p, "setting": _setting(p)} for p in out["variant"]], "setting", "setting"),
+        "burst": table(["texts", "grouping", "buckets", "batches", "model calls", "padding", "texts/s"],
+                       [(b["texts"], _on(b["group_by_length"]), _on(b["split_by_length"]), b["batches"],
+                         b["model_calls"], f"{b['padding_ratio']:.0%}", num(b["texts_per_s"]))
+                        for b in out["burst"]]),
+        "batch_mates": table(["variant", "texts", "min cosine", "mean cosine"],
+                             [(v, c["texts"], num(c["min_cosine"], 4), num(c["mean_cosine"], 4))
+                              for v, c in out["batch_mates"].items()]),
+    }  # fmt: skip
+    return page(out["stamp"], sections, note)
+
+
+def plot(out: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    windows = [{**p, "pair": f"{p['medium_ms']:g} / {p['high_ms']:g}"} for p in out["windows"]["summary"]]
+    for ax, points, x_key, label in (
+        (axes[0], out["batch_size"], "max_batch_size", "MAX_BATCH_SIZE (32 clients)"),
+        (axes[1], windows, "pair", "window ms, MEDIUM / HIGH (32 clients)"),
+    ):
+        points = [p for p in points if p["clients"] == 32]
+        xs = [str(p[x_key]) for p in points]
+        ax.bar(xs, [p["requests_per_s"] for p in points], color="#4a7ab0", label="stage 3 req/s")
+        ax.axhline(out["engine"]["texts_per_s"], color="#999", linestyle="--", label="engine alone")
+        ax.set_xlabel(label)
+        ax.set_ylabel("requests/s")
+        twin = ax.twinx()
+        twin.plot(xs, [p["p99_ms"] for p in points], color="#c0392b", marker="o")
+        twin.set_ylabel("p99 latency (ms)", color="#c0392b")
+        twin.set_ylim(bottom=0)
+        ax.legend(loc="lower right")
+    stamp = out["stamp"]
+    m = stamp["machine"]
+    fig.suptitle(
+        f"stage 3, unique sentences: {m['cpu_model']} ({m['logical_cores']} cores), {stamp['date'][:10]}"
+    )
+    fig.tight_layout()
+    save_figure(fig, path, stamp)
+    plt.close(fig)
+    return path
+
+
 def headline(out: dict[str, Any]) -> dict[str, float]:
     pick = {(p["stage"], p["clients"]): p["requests_per_s"] for p in out["targets"]}
     return {
@@ -240,6 +400,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--duration", type=float, help="Seconds measured per point (default 10).")
     parser.add_argument("--warmup", type=float, help="Seconds of load before each point (default 2).")
     parser.add_argument("--ceiling-seconds", type=float, help="Seconds per batch size for the engine alone.")
+    parser.add_argument("--rounds", type=int, help="Rounds of the windows sweep (default 2).")
     parser.add_argument("--port", type=int, default=0, help="Port for the servers (0: a free one each).")
     parser.add_argument("--out", type=Path, help="Folder for the JSON and markdown.")
     parser.add_argument("--img", type=Path, help="Folder for stage3_sweep.png.")
@@ -248,6 +409,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     run = evidence.start("benchmarks.stage3", args, argv)
     args.duration = args.duration or (2.0 if args.quick else 10.0)
     args.warmup = args.warmup or (0.5 if args.quick else 2.0)
+    args.rounds = args.rounds or (1 if args.quick else 2)
     args.ceiling_seconds = args.ceiling_seconds or (0.5 if args.quick else 3.0)
     out = {"stamp": {}, **measure(args)}
     out["stamp"] = run.stamp()

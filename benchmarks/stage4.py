@@ -1,4 +1,4 @@
-"""`make bench-stage4`: the stage 4 measurements (stage4.json and stage4.md).
+"""`make results ONLY=stage4`: the stage 4 measurements (stage4.json and stage4.md).
 
     python -m benchmarks.stage4            # about 3 minutes
     python -m benchmarks.stage4 --quick    # about a minute: fewer requests, one round
@@ -9,6 +9,12 @@
 3. The seed's repeated-text workload (100 requests, unique ratio 0.3) on stage 3 and stage 4.
 4. The seed's overload run (queue capped at 5, 300 requests of one passage at concurrency 200)
    on stage 4, and the same load on stage 3, which has no bound.
+5. A flood: MAX_QUEUE=8 and 200 connections of ``wrk``, one new sentence per request, that wait
+   a refusal's Retry-After before they send again (polite clients, Locust's users, the ``openai``
+   client's retries) or send again at once (a naive retry loop), for several SHED_DELAY_MS.
+   Goodput is the 200s per second as a share of stage 4's capacity (its defaults, 32 connections).
+
+Parts 1, 3 and 4 need each answer's headers and status: their client is httpx; part 5's is wrk.
 
 Uses the Redis at 127.0.0.1:6379 when it answers, else starts a private ``redis-server``.
 """
@@ -17,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
+import statistics
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -27,11 +35,13 @@ from typing import Any
 import httpx
 import numpy as np
 import orjson
+import psutil
 import redis.asyncio as aioredis
 
+from benchmarks.stage3 import bodies_for
 from common import corpus
-from loadtests import evidence
-from loadtests.httpload import Answer, closed_loop, post_requests
+from loadtests import evidence, wrk
+from loadtests.harness import Answer, post_bodies, process_cpu, settle
 from loadtests.procs import StageProcess, any_redis, running_stage
 from loadtests.tables import num, page, table
 
@@ -61,9 +71,8 @@ def _fresh(n: int, kind: str = "sentence") -> list[str]:
 # --- 1. hit latency by tier -----------------------------------------------------------------
 def _send(server: StageProcess, texts: list[str], clients: int, keep_alive: bool = True) -> list[Answer]:
     """Each text once, one text per request, ``clients`` at a time (closed loop)."""
-    requests = post_requests("/v1/embed", [orjson.dumps({"inputs": [t]}) for t in texts])
-    loop = closed_loop(server.host, server.port, requests, clients, keep_alive=keep_alive, timeout=300)
-    return asyncio.run(loop)
+    bodies = [orjson.dumps({"inputs": [t]}) for t in texts]
+    return asyncio.run(post_bodies(server.url, bodies, clients, keep_alive=keep_alive))
 
 
 def _sequential(server: StageProcess, texts: list[str]) -> tuple[list[float], list[str]]:
@@ -165,6 +174,55 @@ def overload(requests: int, concurrency: int, max_queue: int) -> dict[str, Any]:
     return out
 
 
+# --- 5. a flood -------------------------------------------------------------------------------
+FLOOD = {"MAX_QUEUE": "8"}
+
+
+def _wrk(server: StageProcess, clients: int, seconds: float, seed: int, polite: bool) -> dict[str, Any]:
+    """``clients`` wrk connections for ``seconds``: 200s/s, refusals/s and the server's cores."""
+    process = psutil.Process(server.pid)
+    cpu, started = process_cpu(process), time.perf_counter()
+    out = wrk.run(
+        server.url, bodies_for("sentence", 60_000, seed), clients, seconds, honour_retry_after=polite
+    )
+    cores = (process_cpu(process) - cpu) / (time.perf_counter() - started)
+    return {"ok_per_s": out["requests_per_s"], "refused_per_s": out["non_2xx_per_s"],
+            "socket_errors": out["socket_errors"], "server_cores": round(cores, 2)}  # fmt: skip
+
+
+def flood(
+    clients: int, delays: Sequence[float], seconds: float, warmup: float, rounds: int
+) -> dict[str, Any]:
+    points: list[dict[str, Any]] = []
+    for round_ in range(rounds):
+        with _stage(S4) as server:
+            wrk.run(server.url, bodies_for("sentence", 20_000, 7000 + round_), 32, warmup)
+            settle(server.pid, server.url)
+            points.append({"kind": "capacity", **_wrk(server, 32, seconds, 7100 + round_, False)})
+        for delay in delays:
+            with _stage(S4, {**FLOOD, "SHED_DELAY_MS": f"{delay:g}"}) as server:
+                wrk.run(server.url, bodies_for("sentence", 20_000, 7200 + round_), 32, warmup)
+                for kind, polite in (("honour", True), ("resend", False)):
+                    settle(server.pid, server.url)
+                    point = _wrk(server, clients, seconds, 7300 + 10 * round_ + polite, polite)
+                    points.append({"kind": kind, "delay_ms": delay, **point})
+                    print(json.dumps(points[-1]), flush=True)
+    capacity = statistics.median(p["ok_per_s"] for p in points if p["kind"] == "capacity")
+    rows = []
+    for delay in delays:
+        row: dict[str, Any] = {"delay_ms": delay}
+        for kind in ("honour", "resend"):
+            mine = [p for p in points if p["kind"] == kind and p["delay_ms"] == delay]
+            row[kind] = {
+                k: statistics.median(p[k] for p in mine)
+                for k in ("ok_per_s", "refused_per_s", "server_cores")
+            }
+            row[kind]["goodput"] = round(row[kind]["ok_per_s"] / capacity, 4) if capacity else None
+        rows.append(row)
+    return {"clients": clients, "duration_s": seconds, "rounds": rounds, "settings": FLOOD, "points": points,
+            "capacity_per_s": capacity, "by_delay": rows}  # fmt: skip
+
+
 # --- the report ---------------------------------------------------------------------------
 def _latency_rows(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
     return table(["request", "n", "p50 ms", "p99 ms"],
@@ -215,7 +273,26 @@ def markdown(r: dict[str, Any]) -> str:
         *(f"- {stage}: all answered in {ov[stage]['wall_s']} s; `/health` right after: "
           f"{ov[stage]['health_after_ms']} ms." for stage in (S4, S3)),
     ]  # fmt: skip
+    if "flood" in r:
+        sections["flood"] = _flood_section(r["flood"])
     return page(r["stamp"], sections) + "\n"
+
+
+def _flood_section(f: dict[str, Any]) -> list[str]:
+    rows = []
+    for row in f["by_delay"]:
+        for kind, who in (("honour", "wait Retry-After"), ("resend", "send again at once")):
+            m = row[kind]
+            rows.append((f"{row['delay_ms']:g}", who, num(m["ok_per_s"], 0), num(m["refused_per_s"], 0),
+                         f"{100 * (m['goodput'] or 0):.0f} %", num(m["server_cores"], 2)))  # fmt: skip
+    return [
+        f"**A flood** (stage 4, MAX_QUEUE={f['settings']['MAX_QUEUE']}, {f['clients']} `wrk` connections,"
+        f" one new sentence per request, {f['duration_s']:g} s per point, median of {f['rounds']} rounds;"
+        f" capacity, stage 4 with its defaults at 32 connections: {f['capacity_per_s']:.0f} answers/s):",
+        "",
+        *table(["SHED_DELAY_MS", f"{f['clients']} clients that ...", "200s/s", "503s/s", "of capacity",
+                "server cores"], rows, align="rlrrrr"),
+    ]  # fmt: skip
 
 
 def headline(r: dict[str, Any]) -> dict[str, float]:
@@ -223,6 +300,7 @@ def headline(r: dict[str, Any]) -> dict[str, float]:
         "memory-tier hit p50 ms": r["tiers"]["memory_hit"]["p50_ms"],
         "Redis-tier hit p50 ms": r["tiers"]["redis_hit"]["p50_ms"],
         "repeated texts: stage 4 req/s": r["repeated"][S4]["median_round"]["rps"],
+        "flood capacity req/s": r["flood"]["capacity_per_s"],
     }
 
 
@@ -235,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--rounds", type=int, help="cold rounds of the repeated workload (default 3, quick 1)"
     )
+    parser.add_argument("--flood-seconds", type=float, help="seconds per flood point (default 8, quick 2)")
     parser.add_argument("--out", type=Path, help="folder for stage4.json and stage4.md")
     evidence.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -244,14 +323,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     rounds = args.rounds or (1 if args.quick else 3)
     result: dict[str, Any] = {}
     with any_redis() as url:
-        print("1/4 cache hit latency by tier", flush=True)
+        print("1/5 cache hit latency by tier", flush=True)
         result["tiers"] = tier_latency(url, latency)
-        print("2/4 Redis: pooled versus new connection per command", flush=True)
+        print("2/5 Redis: pooled versus new connection per command", flush=True)
         result["redis_connections"] = asyncio.run(redis_connections(url, commands))
-    print("3/4 repeated-text workload, stage 3 and stage 4", flush=True)
+    print("3/5 repeated-text workload, stage 3 and stage 4", flush=True)
     result["repeated"] = repeated(100, 0.3, 8, rounds)
-    print("4/4 overload, stage 4 and stage 3", flush=True)
+    print("4/5 overload, stage 4 and stage 3", flush=True)
     result["overload"] = overload(300, 200, 5)
+    print("5/5 a flood, polite and impolite clients, by SHED_DELAY_MS", flush=True)
+    seconds = args.flood_seconds or (2.0 if args.quick else 8.0)
+    result["flood"] = flood(
+        200, (0.0, 50.0, 200.0), seconds, 1.0 if args.quick else 2.0, 1 if args.quick else 2
+    )
     result["stamp"] = run.stamp()
     evidence.publish(run, args.out, "stage4", result, markdown, headline)
 

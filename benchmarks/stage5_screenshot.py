@@ -22,13 +22,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import orjson
 
 from common import corpus
 from loadtests import evidence, tables
-from loadtests.httpload import closed_loop, post_requests
+from loadtests.harness import post_bodies
 from loadtests.procs import running_stage
 
 CHROMIUM = "/usr/bin/chromium"
@@ -51,20 +50,17 @@ def _requests(n: int, seed: int = 5) -> list[bytes]:
         )
         for _ in range(n)
     ]
-    return post_requests("/v1/embed", bodies)
+    return bodies
 
 
 def traffic(url: str, seconds: float, clients: int) -> int:
-    """``clients`` closed-loop clients (``loadtests.httpload``) for ``seconds``; requests answered.
+    """``clients`` closed-loop clients (``harness.post_bodies``) for ``seconds``; requests answered.
 
     On a thread of its own: Playwright's sync API keeps an event loop on the caller's thread."""
-    parts = urlsplit(url)
-    requests = _requests(max(2000, int(seconds * 400)))
+    bodies = _requests(max(2000, int(seconds * 400)))
 
     def run() -> list[Any]:
-        return asyncio.run(
-            closed_loop(parts.hostname or "127.0.0.1", parts.port or 80, requests, clients, seconds=seconds)
-        )
+        return asyncio.run(post_bodies(url, bodies, clients, seconds=seconds))
 
     result: list[Any] = []
     worker = threading.Thread(target=lambda: result.extend(run()))

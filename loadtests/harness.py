@@ -17,16 +17,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
+import httpx
 import orjson
 import psutil
 
 from common import corpus
-from loadtests.httpload import closed_loop, post_requests
 from loadtests.procs import answers, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,14 +78,52 @@ def _auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+@dataclass
+class Answer:
+    status: int  # 0: no answer (refused, reset, timed out)
+    ms: float
+    headers: dict[str, str]
+
+
+async def post_bodies(
+    url: str,
+    bodies: Sequence[bytes],
+    clients: int,
+    *,
+    seconds: float | None = None,
+    keep_alive: bool = True,
+    headers: Mapping[str, str] | None = None,
+) -> list[Answer]:
+    """``clients`` closed-loop clients POSTing ``bodies`` to /v1/embed through httpx: each body
+    once, or round and round for ``seconds``. ``keep_alive=False``: a new connection per request."""
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients if keep_alive else 0)
+    until = time.perf_counter() + seconds if seconds is not None else None
+    todo = itertools.cycle(bodies) if until is not None else iter(bodies)  # shared by the clients
+    answers: list[Answer] = []
+    sent = {"content-type": "application/json", **(headers or {})}
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=300, headers=sent) as client:
+
+        async def one_client() -> None:
+            for body in todo:
+                if until is not None and time.perf_counter() >= until:
+                    return
+                started = time.perf_counter()
+                try:
+                    r = await client.post("/v1/embed", content=body)
+                    status, got = r.status_code, dict(r.headers)
+                except httpx.HTTPError:
+                    status, got = 0, {}
+                answers.append(Answer(status, (time.perf_counter() - started) * 1e3, got))
+
+        await asyncio.gather(*(one_client() for _ in range(clients)))
+    return answers
+
+
 def warm_up(url: str, seconds: float, clients: int = 4) -> int:
     """Send unique mixed-length texts from a few clients for ``seconds``; returns how many were answered."""
-    parts = urlsplit(url)
     texts = corpus.texts(max(200, int(seconds * 400)), seed=WARMUP_SEED, kind="mixed")
-    requests = post_requests("/v1/embed", [orjson.dumps({"inputs": [t]}) for t in texts], _auth_headers())
-    answers = asyncio.run(
-        closed_loop(parts.hostname or "127.0.0.1", parts.port or 80, requests, clients, seconds=seconds)
-    )
+    bodies = [orjson.dumps({"inputs": [t]}) for t in texts]
+    answers = asyncio.run(post_bodies(url, bodies, clients, seconds=seconds, headers=_auth_headers()))
     return sum(a.status == 200 for a in answers)
 
 

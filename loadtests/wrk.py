@@ -1,9 +1,10 @@
 """``wrk``, the C load generator, driven from Python: closed loop, one new body per request.
 
-On a 2-core machine the load generator shares the cores with the server. ``loadtests.httpload``
-costs the server about a third of a core at 700 requests/s; ``wrk`` (one thread, epoll, C) costs a
-small fraction of that, so the server's own ceiling shows. Each connection sends its next request
-the moment an answer arrives, 200 or 503 alike: what a naive client or a load test does.
+On a 2-core machine the load generator shares the cores with the server; ``wrk`` (one thread,
+epoll, C) costs a small fraction of what a Python client does, so the server's own ceiling shows.
+Each connection sends its next request the moment an answer arrives, 200 or 503 alike (what a
+naive client or a load test does), or, with ``honour_retry_after``, waits a refusal's Retry-After
+(what a polite one does).
 
 Bodies come from a file, one JSON body per line, cycled through by a small Lua script.
 ``make tools`` installs Debian's package when it is missing.
@@ -30,6 +31,23 @@ request = function()
   return wrk.format(nil, os.getenv("WRK_PATH"), nil, bodies[(i % #bodies) + 1])
 end
 """
+# With ``honour_retry_after``: every 503 or 429 makes the next connection that is ready to send
+# wait its Retry-After first. wrk calls ``delay`` when a connection may send again, not beside the
+# answer, so the wait can land on another connection than the refused one; for identical clients
+# in a closed loop the load is the same: one pause of Retry-After seconds for each refusal.
+POLITE = """
+local waits = {}
+response = function(status, headers)
+  if status == 503 or status == 429 then
+    local after = headers["retry-after"] or headers["Retry-After"] or "1"
+    waits[#waits + 1] = tonumber(after) * 1000
+  end
+end
+delay = function()
+  if #waits == 0 then return 0 end
+  return table.remove(waits, 1)
+end
+"""
 _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
@@ -43,18 +61,24 @@ def _ms(text: str) -> float:
 
 
 def run(
-    url: str, bodies: Sequence[bytes], connections: int, seconds: float, path: str = "/v1/embed"
+    url: str,
+    bodies: Sequence[bytes],
+    connections: int,
+    seconds: float,
+    path: str = "/v1/embed",
+    honour_retry_after: bool = False,
 ) -> dict[str, Any]:
     """Requests/s, the share that was not 2xx, and latency percentiles (of every answer).
 
-    ``seconds`` is rounded up to whole seconds (what wrk takes)."""
+    ``seconds`` is rounded up to whole seconds (what wrk takes); ``honour_retry_after``: a refusal
+    pauses a connection for its Retry-After (``POLITE``), as a polite client does."""
     seconds = max(1, math.ceil(seconds))
     if not available():
         raise SystemExit("wrk is missing: `make tools` installs Debian's package")
     with tempfile.TemporaryDirectory() as tmp:
         file, script = Path(tmp) / "bodies.jsonl", Path(tmp) / "bodies.lua"
         file.write_bytes(b"\n".join(bodies))
-        script.write_text(SCRIPT)
+        script.write_text(SCRIPT + (POLITE if honour_retry_after else ""))
         done = subprocess.run(
             ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script), url],
             capture_output=True,
@@ -62,11 +86,20 @@ def run(
             check=True,
             env={"WRK_BODIES": str(file), "WRK_PATH": path, "PATH": "/usr/bin:/bin"},
         )
-    out = done.stdout
+    return parse(done.stdout, connections, seconds)
+
+
+def parse(out: str, connections: int, seconds: float) -> dict[str, Any]:
+    """wrk's report as figures: requests/s (2xx), the rest per second, socket errors, p50 and p99.
+
+    wrk's socket errors include its "timeout" count: requests still unanswered after its 2 s
+    timeout when it checks; an answer that comes later still counts as an answer, but its latency
+    is left out of the percentiles."""
     total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     other = int(m.group(1)) if (m := re.search(r"Non-2xx or 3xx responses: (\d+)", out)) else 0
     errors = sum(int(n) for n in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
-    latency = {q: _ms(v) for q, v in re.findall(r"^\s+(50|90|99)%\s+(\S+)$", out, re.M)}
+    # wrk pads a one-letter unit ("1.02s ") to line up with the two-letter ones
+    latency = {q: _ms(v) for q, v in re.findall(r"^\s+(50|90|99)%\s+(\S+)\s*$", out, re.M)}
     return {
         "connections": connections,
         "requests_per_s": round((total - other) / seconds, 1),

@@ -36,7 +36,6 @@ from test_contract import *  # noqa: F403
 
 from deploy.ray import nodes
 from deploy.ray.settings import ClusterSettings
-from loadtests.httpload import Connections
 from loadtests.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -223,18 +222,18 @@ class Outcome:
     body: bytes
 
 
-async def _attempt(conns: Connections, body: bytes) -> Outcome:
+async def _attempt(client: httpx.AsyncClient, body: bytes) -> Outcome:
     started = time.monotonic()
     try:
-        status, headers = await conns.post("/v1/embed", body, timeout=15.0)
-    except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+        r = await client.post("/v1/embed", content=body, headers={"content-type": "application/json"})
+    except httpx.HTTPError as exc:
         return Outcome(0, started, time.monotonic() - started, type(exc).__name__, None, body)
     return Outcome(
-        status,
+        r.status_code,
         started,
         time.monotonic() - started,
-        headers.get("x-served-by"),
-        headers.get("retry-after"),
+        r.headers.get("x-served-by"),
+        r.headers.get("retry-after"),
         body,
     )
 
@@ -242,24 +241,21 @@ async def _attempt(conns: Connections, body: bytes) -> Outcome:
 async def steady_load_with_a_kill(cluster: Cluster, clients: int, before_s: float, after_s: float):  # type: ignore[no-untyped-def]
     """``clients`` users, each sending one fresh text at a time, retrying a failure once after its
     Retry-After; the worker node is killed ``before_s`` in and the load runs ``after_s`` more."""
-    port = int(cluster.url.rsplit(":", 1)[1])
     firsts: list[Outcome] = []
     retries: list[Outcome] = []
     stop = asyncio.Event()
     texts = iter(fresh_texts(5000))
 
-    async def user() -> None:
-        conns = Connections("127.0.0.1", port)
-        try:
+    async def user() -> None:  # one keep-alive connection each, as a client process has
+        limits = httpx.Limits(max_connections=1)
+        async with httpx.AsyncClient(base_url=cluster.url, limits=limits, timeout=15.0) as client:
             while not stop.is_set():
                 body = orjson.dumps({"inputs": [next(texts)]})
-                first = await _attempt(conns, body)
+                first = await _attempt(client, body)
                 firsts.append(first)
                 if first.status != 200:
                     await asyncio.sleep(float(first.retry_after or 0))
-                    retries.append(await _attempt(conns, body))
-        finally:
-            conns.close()
+                    retries.append(await _attempt(client, body))
 
     users = [asyncio.create_task(user()) for _ in range(clients)]
     await asyncio.sleep(before_s)

@@ -6,6 +6,7 @@ every profile, every figure present and positive), never speed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,11 +17,14 @@ import time
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
+from benchmarks import layers
 from benchmarks.compare import add_ratios
 from common.serve import available_stages
-from loadtests.harness import Profile, classify_failures
+from loadtests import wrk
+from loadtests.harness import Profile, classify_failures, post_bodies
 from tests.conftest import REPO, free_port
 
 USER_CLASSES = (
@@ -351,3 +355,57 @@ def test_bench_suite_runs_once(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout
+
+
+WRK_REPORT = """Running 2s test @ http://127.0.0.1:8000
+  1 threads and 128 connections
+  Latency Distribution
+     50%  596.16ms
+     75%  625.20ms
+     90%  987.40ms
+     99%    1.02s{pad}
+  630 requests in 2.03s, 2.98MB read
+  Socket errors: connect 0, read 0, write 0, timeout 3
+  Non-2xx or 3xx responses: 30
+""".format(pad=" ")
+
+
+def test_wrk_report_is_read_with_seconds_and_errors() -> None:
+    point = wrk.parse(WRK_REPORT, 128, 2)
+    assert point["p50_ms"] == 596.16 and point["p99_ms"] == 1020.0  # "1.02s " ends in a pad
+    assert point["requests_per_s"] == 300.0 and point["non_2xx_per_s"] == 15.0
+    assert point["socket_errors"] == 3
+
+
+def test_layers_compares_each_stage_with_the_one_before() -> None:
+    stages = ["stage1_naive", "stage2_threadpool", "stage3_batching"]
+    points = [
+        {"connections": n, "stage": s, "round": r, "requests_per_s": rps * (1 + r / 100), "p50_ms": 10.0,
+         "p99_ms": 20.0, "server_cores": 1.0, "cpu_ms": cpu, "loop_cpu_ms": 1.0, "socket_errors": 0,
+         "non_2xx_per_s": 0.0}
+        for n in (1, 32) for r in range(3)
+        for s, rps, cpu in zip(stages, (100.0, 150.0, 180.0), (6.0, 5.0, 4.5), strict=True)
+    ]  # fmt: skip
+    summary = layers.summarize(points, stages, [1, 32], ceiling=200.0)
+    three = summary["32"]["stage3_batching"]
+    assert three["requests_per_s"] == 181.8  # the median round
+    assert three["over_previous"] == round(181.8 / 151.5, 4) and three["cpu_ms_added"] == -0.5
+    assert "over_previous" not in summary["1"]["stage1_naive"]
+    result = {"stamp": {"machine": {}}, "stages": stages, "summary": summary, "duration_s": 8,
+              "rounds": 3, "ceiling": {"texts_per_s": 200.0, "best_batch": 8, "best_calls_at_once": 2,
+                                       "one_text_cpu_ms": 4.0}}  # fmt: skip
+    page = layers.markdown(result)
+    for section in ("stage2", "stage3", "all", "detail"):
+        assert f"[start:{section}]" in page
+    assert "3 / 2" in page
+    assert "1.20×" in page  # stage 3 over stage 2 at both loads
+
+
+def test_post_bodies_sends_each_body_once_or_for_a_while(stage_url: str) -> None:
+    run = os.urandom(4).hex()  # texts no earlier run left in a shared cache
+    bodies = [orjson.dumps({"inputs": [f"post bodies test {run} {i}"]}) for i in range(6)]
+    once = asyncio.run(post_bodies(stage_url, bodies + bodies[:2], clients=1))
+    assert [a.status for a in once] == [200] * 8
+    assert [a.headers["x-cache"] for a in once] == ["miss"] * 6 + ["hit"] * 2  # in order, each once
+    timed = asyncio.run(post_bodies(stage_url, bodies, clients=2, seconds=0.5, keep_alive=False))
+    assert len(timed) > len(bodies) and all(a.status == 200 and a.ms > 0 for a in timed)

@@ -1,4 +1,4 @@
-"""The stage 4 results the docs include are what `make bench-stage4` wrote, and the command runs."""
+"""The stage 4 results the docs include are what `make results ONLY=stage4` wrote, and the command runs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 def test_the_tables_are_rendered_from_the_committed_json() -> None:
     result = json.loads((RESULTS / "stage4.json").read_text())
-    assert (RESULTS / "stage4.md").read_text() == markdown(result), "rerun `make bench-stage4`"
+    assert (RESULTS / "stage4.md").read_text() == markdown(result), "rerun `make results ONLY=stage4`"
 
 
 def test_the_results_record_the_machine_and_every_measurement() -> None:
@@ -26,6 +26,11 @@ def test_the_results_record_the_machine_and_every_measurement() -> None:
         assert result["repeated"][stage]["median_round"]["requests"] == 100
         assert sum(s["n"] for s in result["overload"][stage]["by_status"].values()) == 300
     assert result["repeated"][S4]["median_round"]["model_texts"] == 30  # each distinct text once
+    flood = result["flood"]
+    assert [row["delay_ms"] for row in flood["by_delay"]] == [0.0, 50.0, 200.0]
+    for row in flood["by_delay"]:  # the polite clients are refused less often than the ones that resend
+        assert row["honour"]["refused_per_s"] < row["resend"]["refused_per_s"]
+        assert row["honour"]["ok_per_s"] > 0 and row["resend"]["ok_per_s"] > 0
 
 
 def test_the_bench_command_runs() -> None:

@@ -1,6 +1,6 @@
 """A server with the real API contract and no model: what a request costs apart from the model.
 
-    python -m common.serve benchmarks.null_backend     # what benchmarks/stage2_overhead.py starts
+    python -m common.serve benchmarks.null_backend     # what benchmarks/cost_model.py starts
 
 The contract (``common.api.create_app``) with a backend that tokenizes, as every stage does, and
 answers with fixed vectors instead of running the model: the HTTP ceiling of a machine.
