@@ -273,7 +273,7 @@ def markdown(result: dict[str, Any]) -> str:
     prediction += [
         "",
         "Predicted from the constants above; measured (req/s, one new sentence per request) by "
-        + ("; ".join(sources) if sources else "nothing yet: run `make results ONLY=layers` and `make compare` first")
+        + ("; ".join(sources) if sources else "nothing yet: run `make results ONLY=layers,compare` first")
         + ". `layers` loads the stages with `wrk`, as the constants were measured; `compare` uses"
         " Locust, which spends more CPU per request on the same cores. Two runs on machines of"
         " different speed show it in the engine's figure: compare a column with its own run's.",

@@ -1,4 +1,4 @@
-"""The stage 3 numbers in the docs are what `make results ONLY=stage3` wrote, and its driver measures for real."""
+"""The stage 3 numbers in the docs are what `make results ONLY=stage3` wrote, and its driver measures."""
 
 from __future__ import annotations
 
