@@ -41,6 +41,7 @@ import psutil
 
 from benchmarks.compare import CEILING_SEED, _texts_per_s, engine_ceiling
 from benchmarks.stage3 import bodies_for
+from common import corpus
 from common.engine import Engine
 from common.serve import STAGES
 from common.settings import Settings
@@ -48,7 +49,6 @@ from loadtests import evidence, wrk
 from loadtests.harness import process_cpu, settle
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, stage_label, table
-from stage0_script import corpus
 
 MEDIANS = ("requests_per_s", "p50_ms", "p99_ms", "server_cores", "cpu_ms", "loop_cpu_ms")
 
