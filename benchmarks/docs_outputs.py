@@ -248,12 +248,13 @@ _MASKS = (
 
 
 def shape(text: str) -> list[str]:
-    """The lines of ``text`` with numbers, hex ids and timings masked, trailing spaces dropped."""
+    """The lines of ``text`` with numbers, hex ids and timings masked, and each run of spaces as one
+    (a count of another width moves the padding around it: `uniq -c`, tables)."""
     lines = []
     for line in text.rstrip("\n").splitlines():
         for pattern, mask in _MASKS:
             line = pattern.sub(mask, line)
-        lines.append(line.rstrip())
+        lines.append(" ".join(line.split()))
     return lines
 
 

@@ -26,6 +26,13 @@ from stage1_naive.app import NaiveBackend
 
 
 # --8<-- [start:backend]
+def _timed(engine: Engine, token_ids: list[np.ndarray]) -> tuple[np.ndarray, float]:
+    """In a pool thread: the model call, timed there (x-inference-time is the model alone, not the
+    wait for a free thread, which x-total-time includes)."""
+    started = time.perf_counter()
+    return engine.run(token_ids), (time.perf_counter() - started) * 1e3
+
+
 class ThreadPoolBackend(NaiveBackend):
     def __init__(self, engine: Engine, threads: int) -> None:
         super().__init__(engine)
@@ -37,16 +44,11 @@ class ThreadPoolBackend(NaiveBackend):
         tokens = await tokenize(self.engine, job)
         loop = asyncio.get_running_loop()
         # NEW: the event loop stays free while a pool thread runs the model.
-        vectors, inference_ms = await loop.run_in_executor(self.pool, self._run, [t.ids for t in tokens])
+        ids = [t.ids for t in tokens]
+        vectors, inference_ms = await loop.run_in_executor(self.pool, _timed, self.engine, ids)
         if job.normalize:
             vectors = l2_normalize(vectors)
         return EmbedResult(vectors, [t.n_tokens for t in tokens], [t.truncated for t in tokens], inference_ms)
-
-    def _run(self, token_ids: list[np.ndarray]) -> tuple[np.ndarray, float]:
-        """In a pool thread: the model call, timed there (x-inference-time is the model alone,
-        not the wait for a free thread, which x-total-time includes)."""
-        started = time.perf_counter()
-        return self.engine.run(token_ids), (time.perf_counter() - started) * 1e3
 
     async def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -60,7 +60,7 @@ def test_bench_prints_and_writes_every_figure(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert "stamp" not in result and "machine" not in result  # stage 0 measures; benchmarks/ records
     names = [v["variant"] for v in result["variants"]]
-    assert names == ["fp32", "int8-dynamic", "int8-static"]
+    assert names == ["fp32", "int8-dynamic", "int8-static", "int8-rowwise"]
     for v in result["variants"]:
         assert v["size_mb"] > 0 and v["load_s"] > 0 and v["latency_ms_batch1"]["p50"] > 0
         assert set(v["items_per_s"]) == {"1", "2", "4", "8", "16", "32", "64"}
