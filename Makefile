@@ -61,17 +61,14 @@ clean:
 	rm -rf $(VENV) models site .pytest_cache .mypy_cache .ruff_cache
 
 #> test: the suite and its checks
-# The programs the tests and the measuring kit run, each from Debian's package of the same name
-# (nothing is downloaded). `make tools` installs the ones this machine lacks, in one apt-get call;
-# tests/test_tools.py checks that every program a test or the kit starts is in this list.
-TOOLS := chromium prometheus wrk redis-server
-PACKAGES_chromium := chromium fonts-liberation
-MISSING_PACKAGES = $(foreach tool,$(TOOLS),$(if $(shell command -v $(tool)),,$(or $(PACKAGES_$(tool)),$(tool))))
-
+# The programs the tests and the measuring kit run, from Debian's packages (nothing is downloaded).
+# When any is missing, one apt-get call installs them all (it skips those already there);
+# tests/test_tools.py checks that every program a test or the kit starts is installed here.
 ## tools: Debian's chromium, prometheus (with promtool), wrk and redis-server, where missing
 tools:
-	$(if $(strip $(MISSING_PACKAGES)),apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -qq --no-install-recommends $(strip $(MISSING_PACKAGES)) >/dev/null,@true)
+	@for tool in chromium prometheus promtool wrk redis-server; do command -v $$tool >/dev/null || missing=1; done; \
+	test -z "$$missing" || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		--no-install-recommends chromium fonts-liberation prometheus wrk redis-server >/dev/null)
 
 ## test: the whole suite against the real model, real sockets, real Redis, real browser
 test: setup tools

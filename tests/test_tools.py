@@ -5,7 +5,7 @@ programs it starts (found with ``shutil.which``, named by a ``/usr/bin/`` path, 
 ``subprocess`` argument list), asks
 Debian which package ships each, and checks that ``make test`` on a machine without any of them
 would install that package. A new tool that a test begins to use fails here until the Makefile's
-``TOOLS`` names it.
+``tools`` target installs it.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def debian_package(program: str) -> str:
 
 
 def packages_make_test_installs_on_a_bare_machine() -> set[str]:
-    """What `make test` would hand apt-get where none of the tools is on PATH (`make -n`: nothing runs)."""
+    """What `make test` hands apt-get (`make -n` prints the recipe and runs nothing)."""
     make = shutil.which("make")
     assert make
     plan = subprocess.run(
@@ -60,7 +60,8 @@ def packages_make_test_installs_on_a_bare_machine() -> set[str]:
         text=True,
     )
     assert plan.returncode == 0, plan.stderr
-    installs = [line for line in plan.stdout.splitlines() if "apt-get install" in line]
+    recipe = plan.stdout.replace("\\\n", " ")  # a recipe line continued with a backslash is one line
+    installs = [line for line in recipe.splitlines() if "apt-get install" in line]
     assert installs, f"`make test` installs nothing on a bare machine:\n{plan.stdout}"
     return {word for line in installs for word in line.split("apt-get install", 1)[1].split()}
 
@@ -78,4 +79,4 @@ def test_make_test_installs_every_program_the_tests_and_the_kit_start() -> None:
         for program, files in programs_started().items()
         if program not in BASE and debian_package(program) not in installed
     }
-    assert not missing, f"started but not installed by `make test` (add to TOOLS in the Makefile): {missing}"
+    assert not missing, f"started but not installed by `make test` (add it to make tools): {missing}"
