@@ -5,8 +5,9 @@
     python -m benchmarks.evidence_check --prose    # only the numbers typed in the chapters
 
 ``stale_evidence``: every results file ``make results`` writes is there, carries a stamp, was
-measured at a clean commit, in a full (not QUICK) run, with today's defaults (the fingerprint in
-its stamp matches ``common.settings.Settings``); its page and its pictures carry the same
+measured at a clean commit, in a full (not QUICK) run, with today's defaults (every default its
+stamp records is still the default in ``common.settings.Settings``; a setting added since is
+allowed, see ``loadtests.evidence.defaults_changed``); its page and its pictures carry the same
 provenance. The age of a result alone is never a problem: results are rerun on purpose.
 
 ``unsourced_numbers``: a measured-looking number typed in a chapter (a decimal, a number with a
@@ -39,7 +40,7 @@ EXEMPT = ("<!-- quoted -->", "<!-- example -->")
 
 
 # --- stale results -----------------------------------------------------------------------
-def stamp_problems(name: str, stamp: dict[str, Any] | None, fingerprint: str) -> list[str]:
+def stamp_problems(name: str, stamp: dict[str, Any] | None, now: dict[str, Any]) -> list[str]:
     """Why a results file with this stamp is not current evidence (empty: it is)."""
     if not stamp:
         return [f"{name}: no stamp (not written by a stamped run)"]
@@ -51,9 +52,15 @@ def stamp_problems(name: str, stamp: dict[str, Any] | None, fingerprint: str) ->
         problems.append(f"{name}: measured with uncommitted changes (--allow-dirty)")
     if stamp.get("quick"):
         problems.append(f"{name}: a QUICK run (seconds per point), not evidence")
-    recorded = (stamp.get("settings") or {}).get("defaults_fingerprint")
-    if recorded != fingerprint:
-        problems.append(f"{name}: the defaults changed since it was measured ({recorded} -> {fingerprint})")
+    settings = stamp.get("settings") or {}
+    recorded = settings.get("defaults")
+    if not isinstance(recorded, dict):
+        return [*problems, f"{name}: the stamp does not record the defaults it ran with"]
+    if evidence.fingerprint(recorded) != settings.get("defaults_fingerprint"):
+        problems.append(f"{name}: the recorded defaults do not match the stamp's fingerprint (edited by hand)")
+    for setting, (then, today) in evidence.defaults_changed(recorded, now).items():
+        gone = "the setting is gone" if setting not in now else f"now {today!r}"
+        problems.append(f"{name}: the default of {setting} changed since it was measured ({then!r}, {gone})")
     return problems
 
 
@@ -67,7 +74,7 @@ def _same(name: str, carried: dict[str, Any] | None, stamp: dict[str, Any]) -> l
 
 def stale_evidence(results: Path = evidence.RESULTS, img: Path = evidence.IMG) -> list[str]:
     """Every reason the evidence in ``results`` and ``img`` is not current (empty: all current)."""
-    fingerprint = evidence.defaults_fingerprint()
+    now = evidence.defaults()
     problems: list[str] = []
     known_files = {*FROM_CODE}
     known_pictures = set(PICTURES_FROM_ELSEWHERE)
@@ -78,7 +85,7 @@ def stale_evidence(results: Path = evidence.RESULTS, img: Path = evidence.IMG) -
             problems.append(f"{page.json}: missing (make results writes it)")
             continue
         stamp = json.loads((results / page.json).read_text()).get("stamp")
-        problems += stamp_problems(page.json, stamp, fingerprint)
+        problems += stamp_problems(page.json, stamp, now)
         if not stamp:
             continue
         md = results / page.markdown

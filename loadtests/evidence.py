@@ -3,7 +3,8 @@
 Every results file carries a ``stamp``: the commit (and whether the tree had uncommitted changes),
 the date, the machine, the command line, the wall time of the run, QUICK or full, and the server
 settings it ran with (each setting that differs from the defaults in ``common.settings.Settings``,
-and a fingerprint of the defaults, so a test can tell when a default changed after the run).
+and every default with its fingerprint, so a test can tell which default changed after the run; a
+setting added later, at a default that keeps what was measured, leaves the run current).
 
 A reader's run writes to ``out/`` (git-ignored) and prints its figures beside the committed ones;
 only ``--record`` (``make results``, ``RECORD=1``) writes ``docs/results/`` and ``docs/img/``, and it
@@ -111,10 +112,26 @@ def defaults(settings_cls: type[Settings] = Settings) -> dict[str, Any]:
     }
 
 
+def fingerprint(recorded: Mapping[str, Any]) -> str:
+    """A short hash of a set of defaults (a stamp keeps both, so either can be checked)."""
+    text = json.dumps(dict(recorded), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def defaults_fingerprint(settings_cls: type[Settings] = Settings) -> str:
     """A short hash of every default: it changes when any default (or setting name) changes."""
-    text = json.dumps(defaults(settings_cls), sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return fingerprint(defaults(settings_cls))
+
+
+def defaults_changed(recorded: Mapping[str, Any], now: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The defaults a run recorded that are no longer the defaults: ``{name: (then, now)}``.
+
+    A setting removed since counts (``now`` is None). One added since does not: a new setting
+    comes with a default that keeps what the server did before, so the run measured that default.
+    """
+    return {
+        name: (then, now.get(name)) for name, then in recorded.items() if name not in now or now[name] != then
+    }
 
 
 def resolved_settings(env: Mapping[str, str] | None = None, without: Sequence[str] = ()) -> Settings:
@@ -132,7 +149,7 @@ def resolved_settings(env: Mapping[str, str] | None = None, without: Sequence[st
 
 
 def settings_record(env: Mapping[str, str] | None = None, without: Sequence[str] = ()) -> dict[str, Any]:
-    """The settings a run used: those that differ from the defaults, and the defaults' fingerprint."""
+    """The settings a run used: those that differ from the defaults, and the defaults themselves."""
     settings, base = resolved_settings(env, without), defaults()
     changed = {}
     for name in Settings.model_fields:
@@ -141,7 +158,7 @@ def settings_record(env: Mapping[str, str] | None = None, without: Sequence[str]
         value = _plain(getattr(settings, name))
         if value != base[name.upper()]:
             changed[name.upper()] = value
-    return {"changed": changed, "defaults_fingerprint": defaults_fingerprint()}
+    return {"changed": changed, "defaults": base, "defaults_fingerprint": fingerprint(base)}
 
 
 # --- one run -----------------------------------------------------------------------------

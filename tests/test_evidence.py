@@ -152,7 +152,7 @@ def test_a_readers_figures_are_compared_with_the_reference(
 
 # --- staleness ---------------------------------------------------------------------------
 def test_stamp_problems_name_every_reason() -> None:
-    now = evidence.defaults_fingerprint()
+    now = evidence.defaults()
     assert stamp_problems("a.json", _fresh_stamp(), now) == []
     assert stamp_problems("a.json", None, now) == ["a.json: no stamp (not written by a stamped run)"]
     assert "uncommitted" in stamp_problems("a.json", _fresh_stamp(dirty=True), now)[0]
@@ -160,6 +160,23 @@ def test_stamp_problems_name_every_reason() -> None:
     assert "stamp without" in stamp_problems("a.json", {"date": "d"}, now)[0]
     old = _fresh_stamp(date="2001-01-01T00:00:00+00:00", commit="f" * 40)
     assert stamp_problems("a.json", old, now) == []  # age alone is never a reason
+
+
+def test_a_changed_or_removed_default_makes_a_run_stale_and_a_new_setting_does_not() -> None:
+    stamp = _fresh_stamp()
+    now = evidence.defaults()
+    assert stamp_problems("a.json", stamp, {**now, "A_SETTING_ADDED_LATER": 1}) == []
+    changed = stamp_problems("a.json", stamp, {**now, "MAX_QUEUE": 2048})
+    assert changed == ["a.json: the default of MAX_QUEUE changed since it was measured (1024, now 2048)"]
+    gone = stamp_problems("a.json", stamp, {k: v for k, v in now.items() if k != "SHED_DELAY_MS"})
+    assert gone == ["a.json: the default of SHED_DELAY_MS changed since it was measured (50.0, the setting is gone)"]
+    # the recorded defaults and their fingerprint check each other: an edit by hand shows
+    settings = stamp["settings"]
+    assert isinstance(settings, dict)
+    edited = {**stamp, "settings": {**settings, "defaults": {**settings["defaults"], "MAX_QUEUE": 2048}}}
+    assert "edited by hand" in stamp_problems("a.json", edited, {**now, "MAX_QUEUE": 2048})[0]
+    unrecorded = {**stamp, "settings": {"changed": {}, "defaults_fingerprint": settings["defaults_fingerprint"]}}
+    assert "does not record the defaults" in stamp_problems("a.json", unrecorded, now)[0]
 
 
 def _write_page(results: Path, img: Path, stamp: dict[str, object]) -> None:
@@ -200,7 +217,7 @@ def test_changing_a_default_makes_the_evidence_stale(tmp_path: Path, monkeypatch
     # A default changes in common/settings.py, and nobody reruns the measurement:
     monkeypatch.setattr(Settings.model_fields["max_queue"], "default", 2048)
     problems = stale_evidence(res, img)
-    assert len(problems) == 1 and "stage0.json: the defaults changed since it was measured" in problems[0]
+    assert problems == ["stage0.json: the default of MAX_QUEUE changed since it was measured (1024, now 2048)"]
     _write_page(res, img, _fresh_stamp())  # ... until it is rerun
     assert stale_evidence(res, img) == []
 
