@@ -63,6 +63,11 @@ class Settings(BaseSettings):
     )
 
     # --- stage 3: dynamic batching -----------------------------------------
+    batcher: Literal["refined", "textbook"] = Field(
+        "refined",
+        description="`textbook`: the batcher of `stage3_batching/batcher.py` alone (one window, "
+        "arrival order, one call a batch); `refined`: with the chapter's five refinements.",
+    )
     max_batch_size: int = Field(32, ge=1, description="Most texts in one model call.")
     batch_concurrency: int = Field(
         2,

@@ -35,9 +35,11 @@ class BatchingBackend(NaiveBackend):
         self, engine: Engine, settings: Settings, on_batch: Callable[[BatchRecord], None] | None = None
     ) -> None:
         super().__init__(engine)
-        # NEW: one batcher owns the model instead of a pool; requests queue for it. The textbook
-        # ``Batcher`` has the same interface: ``Batcher(engine.run, ...)`` here serves with it alone.
-        self.batcher: Batcher = RefinedBatcher(engine.run, settings, on_batch=on_batch)
+        # NEW: one batcher owns the model instead of a pool; requests queue for it.
+        # BATCHER=textbook serves with the textbook batcher alone, BATCHER=refined (the default)
+        # with its refinements: the two have one interface.
+        kind = RefinedBatcher if settings.batcher == "refined" else Batcher
+        self.batcher: Batcher = kind(engine.run, settings, on_batch=on_batch)
 
     async def start(self) -> None:
         await self.batcher.start()
@@ -73,7 +75,7 @@ def make_backend(engine: Engine, settings: Settings) -> BatchingBackend:
 
 
 # --8<-- [start:routes]
-BATCHER_SETTINGS = ("max_batch_size", "max_batch_tokens", "batch_concurrency", "batch_window_ms",
+BATCHER_SETTINGS = ("batcher", "max_batch_size", "max_batch_tokens", "batch_concurrency", "batch_window_ms",
           "batch_window_high_ms", "batch_low_threshold", "batch_high_threshold", "group_by_length",
           "group_window", "split_by_length", "call_overhead_tokens")  # fmt: skip
 

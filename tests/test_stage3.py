@@ -80,6 +80,20 @@ def test_config_route_reports_the_live_settings(server_factory) -> None:  # type
     assert {"batch_low_threshold", "batch_high_threshold", "group_window"} <= set(config)
 
 
+def test_batcher_textbook_serves_with_the_textbook_batcher(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A lone request under a window: the textbook batcher makes it wait the whole window, the
+    refined one sends it at once (LOW tier). The window is long enough to leave no doubt."""
+    window = {"BATCH_WINDOW_MS": "1500"}
+    waited = {}
+    for kind in ("textbook", "refined"):
+        with server_factory(STAGE, {**window, "BATCHER": kind}) as srv:
+            assert httpx.get(f"{srv.url}/v1/batcher/config").json()["batcher"] == kind
+            r = post(srv.url, corpus.texts(1, seed=305, kind="sentence"))
+            assert r.status_code == 200, r.text
+            waited[kind] = float(r.headers["x-queue-time"])
+    assert waited["textbook"] >= 1400 and waited["refined"] < 700, waited
+
+
 def test_the_token_budget_splits_long_texts(server_factory) -> None:  # type: ignore[no-untyped-def]
     passages = corpus.texts(6, seed=303, kind="passage")
     env = {"MAX_BATCH_TOKENS": "600", "MAX_BATCH_SIZE": "64"}
