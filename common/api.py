@@ -147,6 +147,7 @@ def create_app(
     app = FastAPI(title=title, description=description, lifespan=lifespan, version="1.0")
     app.state.settings = settings
     app.state.ready = False
+    app.state.draining = False  # stage 4's drain: /ready says 503, requests are still served
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     install_auth(app, settings)  # outermost: a request without a key is not even read
     install_error_handlers(app)
@@ -274,7 +275,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
     )
     async def ready(request: Request) -> Response:
         """Readiness: 503 until the model is loaded and warmed, and again while draining."""
-        if request.app.state.ready:
+        if request.app.state.ready and not request.app.state.draining:
             return json_response({"status": "ready"})
         return error_response(APIError(503, "not ready", headers={"Retry-After": "1"}))
 

@@ -138,7 +138,15 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(
         30.0, gt=0, description="Default deadline; `X-Request-Timeout` overrides it per request."
     )
-    drain_timeout_s: float = Field(20.0, gt=0, description="Longest graceful drain on SIGTERM.")
+    drain_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="After SIGTERM, how long the server goes on serving with readiness 503 before it "
+        "stops accepting; set it above your load balancer's probe interval (0: stop at once).",
+    )
+    drain_timeout_s: float = Field(
+        20.0, gt=0, description="Longest wait for the requests in progress once the server stops accepting."
+    )
 
     # --- stage 5: metrics, logs, access -----------------------------------
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")

@@ -77,7 +77,8 @@ class CacheBackend(BatchingBackend):
         await super().start()
         await self.cache.start()  # NEW: the Redis pool, in the lifespan
         if self._drain_on_signal:
-            chain_signal_handlers(self.begin_drain)  # NEW: SIGTERM starts the drain
+            # NEW: SIGTERM starts the drain; uvicorn stops accepting DRAIN_DELAY_S later
+            chain_signal_handlers(self.begin_drain, self.settings.drain_delay_s)
 
     async def close(self) -> None:
         await super().close()  # the batcher answers everything queued first
@@ -85,7 +86,8 @@ class CacheBackend(BatchingBackend):
         log.info("stage 4 closed: queue empty, cache closed")
 
     def begin_drain(self) -> None:
-        """SIGTERM: readiness goes 503; uvicorn stops accepting and lets admitted requests finish."""
+        """SIGTERM: readiness goes 503; DRAIN_DELAY_S later uvicorn stops accepting and lets
+        admitted requests finish."""
         if not self.draining:
             self.draining = True
             log.warning("draining: %d request(s) in progress, readiness now 503", self.stats.active)
@@ -277,8 +279,8 @@ def build_app(
 ) -> FastAPI:
     """Stage 4's app around ``make_backend``'s backend; stage 5 builds its app with this one."""
 
-    def stop_ready() -> None:  # the drain's first step: /ready answers 503, new requests get 503
-        app.state.ready = False
+    def stop_ready() -> None:  # the drain's first step: /ready answers 503, requests still served
+        app.state.draining = True
 
     app = create_app(
         title,

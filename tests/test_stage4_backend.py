@@ -326,11 +326,11 @@ async def test_expired_deadline_is_504_without_queueing(make: Any, engine: Engin
 
 
 # --- drain: readiness -------------------------------------------------------------------
-async def test_drain_turns_readiness_503_and_refuses_new_work(engine: Engine) -> None:
+async def test_drain_turns_readiness_503_and_still_serves(engine: Engine) -> None:
     backends: list[CacheBackend] = []
 
     def make_backend(eng: Engine, settings: Settings) -> CacheBackend:
-        backend = CacheBackend(eng, settings, on_drain=lambda: setattr(app.state, "ready", False))
+        backend = CacheBackend(eng, settings, on_drain=lambda: setattr(app.state, "draining", True))
         backends.append(backend)
         return backend
 
@@ -342,6 +342,6 @@ async def test_drain_turns_readiness_503_and_refuses_new_work(engine: Engine) ->
             backends[0].begin_drain()
             ready = await client.get("/ready")
             embed = await client.post("/v1/embed", json={"inputs": "hello"})
-    assert ready.status_code == 503 and embed.status_code == 503
-    assert embed.json()["error"]["type"] == "overloaded_error"
+    # readiness tells the load balancer to stop sending; what still arrives is served
+    assert ready.status_code == 503 and embed.status_code == 200
     assert backends[0].draining

@@ -296,6 +296,42 @@ def test_sigterm_finishes_every_admitted_request_and_closes_the_pool(
         assert log.index("draining") < log.index("redis cache pool closed")
 
 
+def test_the_drain_delay_keeps_serving_with_readiness_503_then_stops_accepting(server_factory: Any) -> None:
+    """DRAIN_DELAY_S: after SIGTERM the server answers /ready with 503 and still serves requests,
+    so a load balancer that probes every few seconds sees the 503 before anything is refused; then
+    it stops accepting and exits. A probe every 0.1 s, each on a fresh connection, as a balancer."""
+    delay = 3.0
+    with server_factory(STAGE, {"DRAIN_DELAY_S": str(delay)}) as server:
+        assert httpx.get(f"{server.url}/ready").status_code == 200
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        seen: list[tuple[float, str, str]] = []  # (seconds after the signal, /ready, /v1/embed)
+        while server.process.poll() is None and time.monotonic() - signalled < delay + 10:
+            outcome = []
+            for probe in (lambda: httpx.get(f"{server.url}/ready", timeout=5),
+                          lambda: _embed(server.url, [_new(1)[0]])):  # fmt: skip
+                try:
+                    outcome.append(str(probe().status_code))
+                except httpx.TransportError:
+                    outcome.append("refused")
+            seen.append((time.monotonic() - signalled, *outcome))
+            time.sleep(0.1)
+        server.process.wait(timeout=10)
+    during = [(ready, embed) for t, ready, embed in seen if t < delay - 0.5]
+    after = [(ready, embed) for t, ready, embed in seen if t > delay + 1.0]
+    assert len(during) >= 10 and set(during) == {("503", "200")}, seen
+    assert all(ready == "refused" for ready, _ in after), seen
+    assert time.monotonic() - signalled < delay + 10
+
+
+def test_ctrl_c_skips_the_drain_delay(server_factory: Any) -> None:
+    with server_factory(STAGE, {"DRAIN_DELAY_S": "30"}) as server:
+        server.process.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        server.process.wait(timeout=15)
+    assert time.monotonic() - signalled < 10
+
+
 def test_a_full_queue_refuses_unread_after_the_shed_delay(server_factory: Any) -> None:
     """While the queue is full, a request is refused before its body is read (shed.py): the client
     here sends its headers and never the body it announces, and still gets its 503, after

@@ -172,8 +172,8 @@ async def _wait_for_active(client: httpx.AsyncClient, n: int, timeout_s: float =
 
 
 async def _probe_after_signal(url: str, probes: int) -> dict[str, int]:
-    """New requests after SIGTERM, each on a fresh connection: refused (or reset unread) or 503,
-    never a 5xx or a cut."""
+    """New requests after SIGTERM, each on a fresh connection: served until the listener closes
+    (DRAIN_DELAY_S, 0 here), then refused (or reset unread); never a 5xx or a cut."""
     seen: Counter[str] = Counter()
     for _ in range(probes):
         async with httpx.AsyncClient(base_url=url, timeout=30) as fresh:
