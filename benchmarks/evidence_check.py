@@ -57,7 +57,7 @@ def stamp_problems(name: str, stamp: dict[str, Any] | None, now: dict[str, Any])
     if not isinstance(recorded, dict):
         return [*problems, f"{name}: the stamp does not record the defaults it ran with"]
     if evidence.fingerprint(recorded) != settings.get("defaults_fingerprint"):
-        problems.append(f"{name}: the recorded defaults do not match the stamp's fingerprint (edited by hand)")
+        problems.append(f"{name}: the recorded defaults do not match the fingerprint (edited by hand)")
     for setting, (then, today) in evidence.defaults_changed(recorded, now).items():
         gone = "the setting is gone" if setting not in now else f"now {today!r}"
         problems.append(f"{name}: the default of {setting} changed since it was measured ({then!r}, {gone})")

@@ -94,6 +94,15 @@ STEPS: tuple[Step, ...] = (
         5,
         2,
     ),
+    # 9 servers x (warm-up, 60 requests in turn, 120 from 8 clients), Redis plain and TLS, near and far
+    Step(
+        "cache-distance",
+        "stage 4: a Redis tier at a distance, per-command and pooled",
+        "benchmarks.cache_distance",
+        ("cache_distance.json",),
+        3,
+        1.5,
+    ),
     # 60 s of traffic, a server and a browser
     Step(
         "dashboard",
@@ -221,6 +230,7 @@ PAGES: tuple[Page, ...] = (
         ("stage3_sweep.png",),
     ),
     Page("stage4.json", "stage4.md", "benchmarks.stage4:markdown"),
+    Page("cache_distance.json", "cache_distance.md", "benchmarks.cache_distance:markdown"),
     Page(
         "compare.json",
         "compare.md",

@@ -120,6 +120,16 @@ class Settings(BaseSettings):
     cache_max_items: int = Field(100_000, ge=0, description="In-process cache size, in entries.")
     cache_max_bytes: int = Field(256 * 2**20, ge=0, description="In-process cache size, in bytes.")
     cache_ttl_s: int = Field(3600, ge=1, description="Time to live of a cache entry.")
+    cache_ca_file: Path | None = Field(
+        None,
+        description="CA certificate that signed the Redis server's, for a rediss:// CACHE_URL "
+        "(unset: the system's CAs). A certificate that does not verify turns the Redis tier off.",
+    )
+    cache_client: Literal["pooled", "per-command"] = Field(
+        "pooled",
+        description="`per-command` is the stage 4 chapter's lesson, never for production: a new "
+        "connection (TCP and TLS handshakes) for every Redis command, the bug it measures.",
+    )
     cache_timeout_ms: float = Field(50.0, gt=0, description="Longest wait for Redis before failing open.")
     max_queue: int = Field(
         1024,

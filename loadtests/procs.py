@@ -3,8 +3,9 @@
 * ``running_stage``: a server stage started with the command ``make stageN`` runs, on a free
   port, ready (``/ready`` answers 200) when the block starts and stopped when it ends; its
   ``StageProcess`` can be sent SIGTERM or SIGKILL and started again on the same port.
-* ``redis_server``: a private redis-server with persistence off. The shared Redis on 6379 must
-  never be stopped, so anything that kills, pauses or password-protects Redis starts its own.
+* ``redis_server``: a private redis-server with persistence off, plain or over TLS (a CA and a
+  certificate made on the spot with ``trustme``). The shared Redis on 6379 must never be
+  stopped, so anything that kills, pauses, password-protects or encrypts Redis starts its own.
 * ``any_redis``: the shared Redis when it answers, else a private one.
 """
 
@@ -191,10 +192,11 @@ def running_stage(
 
 
 # --- Redis -------------------------------------------------------------------------------
-def redis_answers(url: str) -> bool:
-    """A Redis at ``url`` answers PING."""
+def redis_answers(url: str, ca_file: Path | None = None) -> bool:
+    """A Redis at ``url`` answers PING (over TLS, ``rediss://``, trusting ``ca_file``)."""
+    tls = {"ssl_ca_certs": str(ca_file)} if ca_file is not None else {}
     try:
-        client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+        client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1, **tls)
         try:
             return bool(client.ping())
         finally:
@@ -211,12 +213,39 @@ class RedisProcess:
     port: int = field(default_factory=free_port)
     password: str | None = None
     workdir: Path | None = None
+    tls: bool = False  # only TLS, on ``port``: the URL is rediss:// and clients need ``ca_file``
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def ca_file(self) -> Path | None:
+        """The CA that signed this server's certificate (TLS only)."""
+        return self._certs() / "ca.pem" if self.tls else None
+
+    def _certs(self) -> Path:
+        if self.workdir is None:
+            raise RuntimeError("a TLS redis-server needs a workdir for its certificates")
+        return self.workdir / "tls"
+
+    def _tls_args(self) -> list[str]:
+        """A CA and a certificate for 127.0.0.1 and localhost, made once per workdir (trustme)."""
+        import trustme
+
+        folder = self._certs()
+        if not (folder / "ca.pem").is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            ca = trustme.CA()
+            cert = ca.issue_cert("127.0.0.1", "localhost")
+            cert.private_key_pem.write_to_path(str(folder / "key.pem"))
+            cert.cert_chain_pems[0].write_to_path(str(folder / "cert.pem"))
+            ca.cert_pem.write_to_path(str(folder / "ca.pem"))
+        return ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no",
+                "--tls-cert-file", str(folder / "cert.pem"), "--tls-key-file", str(folder / "key.pem"),
+                "--tls-ca-cert-file", str(folder / "ca.pem")]  # fmt: skip
 
     def start(self, timeout: float = 10.0) -> None:
         binary = shutil.which("redis-server")
@@ -227,9 +256,11 @@ class RedisProcess:
             args += ["--dir", str(self.workdir)]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.tls:
+            args += self._tls_args()
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            wait_until(lambda: redis_answers(self.url), timeout, 0.05, self.process)
+            wait_until(lambda: redis_answers(self.url, self.ca_file), timeout, 0.05, self.process)
         except RuntimeError as exc:
             raise RuntimeError(f"redis-server on port {self.port}: {exc}") from None
         except TimeoutError:
@@ -243,9 +274,11 @@ class RedisProcess:
 
 
 @contextmanager
-def redis_server(password: str | None = None, workdir: Path | None = None) -> Iterator[RedisProcess]:
+def redis_server(
+    password: str | None = None, workdir: Path | None = None, tls: bool = False
+) -> Iterator[RedisProcess]:
     """A private redis-server on a free port, killed on exit."""
-    server = RedisProcess(password=password, workdir=workdir)
+    server = RedisProcess(password=password, workdir=workdir, tls=tls)
     server.start()
     try:
         yield server

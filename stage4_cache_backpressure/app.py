@@ -140,7 +140,7 @@ class CacheBackend(BatchingBackend):
                 # are tokenized
                 tokens = await tokenize(self.engine, job, todo)
                 outcome = await self._submit(tokens, job)
-                await self._remember([keys[row] for row in todo], partial.computed(todo, tokens, outcome))
+                self._remember([keys[row] for row in todo], partial.computed(todo, tokens, outcome))
         for row, flight in follow:
             partial.take(row, await self._follow(job, row, flight))
         self.stats.deduplicated += len(follow)
@@ -175,12 +175,12 @@ class CacheBackend(BatchingBackend):
         except Exception as exc:  # the model raised for this request's texts
             raise model_failed(exc) from exc
 
-    async def _remember(self, keys: list[str], entries: list[CacheEntry]) -> None:
+    def _remember(self, keys: list[str], entries: list[CacheEntry]) -> None:
         """Memory first, then the followers (so no request misses both), then Redis."""
         written = self.cache.put_local(keys, entries)
         for key, entry in zip(keys, entries, strict=True):
             self.flights.resolve(key, entry)
-        await self.cache.put_remote(written)  # followers do not wait for the Redis write
+        self.cache.put_remote(written)  # written behind the answer: nobody waits for Redis
 
     async def _follow(self, job: EmbedJob, row: int, flight: Flight) -> CacheEntry:
         """Step 2, the follower's side: wait for the leader's entry, bounded by our own deadline."""
@@ -211,7 +211,7 @@ class CacheBackend(BatchingBackend):
         tokens = await tokenize(self.engine, job)
         entries = partial.computed(rows, tokens, await self._submit(tokens, job))
         if self.cache.enabled:
-            await self.cache.put(self._keys(job), entries)
+            self.cache.put(self._keys(job), entries)
         return partial.result(bypassed=True)
 
     # --8<-- [end:steps]

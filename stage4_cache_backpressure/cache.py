@@ -152,7 +152,13 @@ class Cache:
         url = settings.cache_url.get_secret_value() if settings.cache_url else None
         self.redis = (
             RedisCache(
-                url, settings.cache_ttl_s, settings.cache_timeout_ms, CacheEntry.size(dimensions), self.stats
+                url,
+                settings.cache_ttl_s,
+                settings.cache_timeout_ms,
+                CacheEntry.size(dimensions),
+                self.stats,
+                ca_file=settings.cache_ca_file,
+                connect_every_command=settings.cache_client == "per-command",
             )
             if url and self.enabled
             else None
@@ -199,14 +205,19 @@ class Cache:
             self.stats.writes["memory"] += len(items)
         return items
 
-    async def put_remote(self, items: dict[str, bytes]) -> None:
-        """Write the Redis tier, in one pipeline."""
+    def put_remote(self, items: dict[str, bytes]) -> None:
+        """Write the Redis tier, in one pipeline, behind the answer: nobody waits for it."""
         if self.redis is not None:
-            await self.redis.put_many(items)
+            self.redis.write_behind(items)
 
-    async def put(self, keys: Sequence[str], entries: Sequence[CacheEntry]) -> None:
+    def put(self, keys: Sequence[str], entries: Sequence[CacheEntry]) -> None:
         """Write both tiers."""
-        await self.put_remote(self.put_local(keys, entries))
+        self.put_remote(self.put_local(keys, entries))
+
+    async def flush(self) -> None:
+        """Wait for the Redis writes behind the answers so far."""
+        if self.redis is not None:
+            await self.redis.flush()
 
     def config(self) -> dict[str, Any]:
         m = self.memory

@@ -1,9 +1,12 @@
 """The shared cache tier: Redis through redis-py asyncio, with one pool, that fails open.
 
 One connection pool for the process (opened in ``start``, closed in ``close``, both called
-from the app's lifespan), MGET for lookups, one pipeline of ``SET EX`` for writes. A Redis
-that is down, slow (CACHE_TIMEOUT_MS) or returns garbage costs a miss, a counted error and at
-most one log line per interval; the tier backs off briefly and then recovers by itself.
+from the app's lifespan), MGET for lookups, one pipeline of ``SET EX`` for writes, written
+behind the answer (a request never waits for its write). A Redis that is down, slow
+(CACHE_TIMEOUT_MS) or returns garbage costs a miss, a counted error and at most one log line
+per interval; the tier backs off briefly and then recovers by itself. A ``rediss://`` URL
+verifies the server's certificate (against CACHE_CA_FILE when set); one that does not verify is
+reported at startup and the tier is off: nothing can make it verify later.
 
 A refused or reset connection backs off at once: Redis is down. A single timeout does not:
 the timeout is wall-clock time on the event loop, so when the server itself is busy, a reply
@@ -17,8 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -43,12 +49,15 @@ class RedisCache:
         value_bytes: int,
         stats: CacheStats,
         *,
+        ca_file: Path | None = None,
+        connect_every_command: bool = False,
         max_connections: int = 32,
         backoff_s: float = 1.0,
         timeouts_before_backoff: int = 3,
         log_interval_s: float = 10.0,
     ) -> None:
         self.url, self.ttl_s, self.timeout_s = url, ttl_s, timeout_ms / 1e3
+        self.ca_file, self.connect_every_command = ca_file, connect_every_command
         self.value_bytes, self.stats = value_bytes, stats
         self.max_connections = max_connections
         self.backoff_s, self.log_interval_s = backoff_s, log_interval_s
@@ -59,11 +68,16 @@ class RedisCache:
         self._failures_unlogged = 0
         self._last_log = float("-inf")
         self._failing = False
+        self._writes: set[asyncio.Task[None]] = set()  # written behind the answers, awaited on close
 
     async def start(self) -> None:
         # ONE pool for the process, opened here (the lifespan), never per request: a new
         # connection per command costs a TCP (and TLS) handshake every time (measured in docs).
-        pool = aioredis.BlockingConnectionPool.from_url(
+        options: dict[str, Any] = {}
+        if self.url.startswith("rediss://") and self.ca_file is not None:
+            options["ssl_ca_certs"] = str(self.ca_file)
+        pool_class = ConnectEveryCommand if self.connect_every_command else aioredis.BlockingConnectionPool
+        pool = pool_class.from_url(
             self.url,
             max_connections=self.max_connections,
             timeout=None,  # waiting for a free connection is bounded by the call's timeout below
@@ -72,14 +86,52 @@ class RedisCache:
             # A pooled connection that Redis closed (a restart) is retried once on a fresh one.
             retry=Retry(NoBackoff(), 1),
             retry_on_error=[RedisConnectionError],
+            **options,
         )
         self.client = aioredis.Redis.from_pool(pool)
+        await self._first_contact()
+
+    async def _first_contact(self) -> None:
+        """One PING at startup, so that a misconfiguration is said once, clearly, and at once."""
+        assert self.client is not None
+        try:
+            async with asyncio.timeout(max(self.timeout_s, 1.0)):
+                await self.client.ping()
+        except Exception as exc:
+            if not _unverified(exc):  # down or slow now: the tier fails open until it answers
+                log.warning("redis cache at %s does not answer yet (%s); failing open", _where(self.url), exc)
+                return
+            log.error(
+                "redis cache at %s: its TLS certificate does not verify (%s); set CACHE_CA_FILE to the "
+                "CA that signed it. Serving without the Redis tier.",
+                _where(self.url),
+                exc,
+            )
+            await self.client.aclose()
+            self.client = None
+            return
+        if self.connect_every_command:
+            log.warning("CACHE_CLIENT=per-command: a new Redis connection a command (the lesson's bug)")
+
+    async def flush(self) -> None:
+        """Wait for the writes behind the answers so far (each bounded by the timeout)."""
+        while self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
 
     async def close(self) -> None:
+        await self.flush()
         if self.client is not None:
             await self.client.aclose()  # closes the pool's connections too
             self.client = None
             log.info("redis cache pool closed")
+
+    def write_behind(self, items: dict[str, bytes]) -> None:
+        """``put_many`` in a task of its own: the answer goes out without waiting for Redis."""
+        if self.client is None or not items:
+            return
+        task = asyncio.create_task(self.put_many(items))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """One MGET; on any failure every key is a miss."""
@@ -158,8 +210,31 @@ class RedisCache:
             log.warning("redis cache is answering again")
 
 
+class ConnectEveryCommand(aioredis.BlockingConnectionPool):
+    """CACHE_CLIENT=per-command, the lesson's bug and never a choice for operators: each command
+    opens a new connection and closes it after, as code that makes a client per request does."""
+
+    async def release(self, connection: Any) -> None:
+        await connection.disconnect()
+        await super().release(connection)
+
+
 class _Garbage(Exception):
     pass
+
+
+def _unverified(exc: BaseException) -> bool:
+    """The TLS handshake failed on the certificate (redis-py wraps the ssl error)."""
+    while exc is not None:
+        if isinstance(exc, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
+
+
+def _where(url: str) -> str:
+    """host:port of a Redis URL, without its password."""
+    return url.split("@")[-1].split("://")[-1].split("/")[0]
 
 
 def _kind(exc: BaseException) -> str:

@@ -37,9 +37,10 @@ class RedisServer(RedisProcess):
 
 
 @contextmanager
-def own_redis(workdir: Path, password: str | None = None) -> Iterator[RedisServer]:
-    """A redis-server of the test's own on a free port: ``stop``, ``start``, ``pause``, ``resume``."""
-    server = RedisServer(password=password, workdir=workdir)
+def own_redis(workdir: Path, password: str | None = None, tls: bool = False) -> Iterator[RedisServer]:
+    """A redis-server of the test's own on a free port: ``stop``, ``start``, ``pause``, ``resume``;
+    with ``tls``, over TLS only (``rediss://``; its CA in ``ca_file``)."""
+    server = RedisServer(password=password, workdir=workdir, tls=tls)
     try:
         server.start()
     except RuntimeError as exc:

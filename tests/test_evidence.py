@@ -169,13 +169,16 @@ def test_a_changed_or_removed_default_makes_a_run_stale_and_a_new_setting_does_n
     changed = stamp_problems("a.json", stamp, {**now, "MAX_QUEUE": 2048})
     assert changed == ["a.json: the default of MAX_QUEUE changed since it was measured (1024, now 2048)"]
     gone = stamp_problems("a.json", stamp, {k: v for k, v in now.items() if k != "SHED_DELAY_MS"})
-    assert gone == ["a.json: the default of SHED_DELAY_MS changed since it was measured (50.0, the setting is gone)"]
+    assert gone == [
+        "a.json: the default of SHED_DELAY_MS changed since it was measured (50.0, the setting is gone)"
+    ]
     # the recorded defaults and their fingerprint check each other: an edit by hand shows
     settings = stamp["settings"]
     assert isinstance(settings, dict)
     edited = {**stamp, "settings": {**settings, "defaults": {**settings["defaults"], "MAX_QUEUE": 2048}}}
     assert "edited by hand" in stamp_problems("a.json", edited, {**now, "MAX_QUEUE": 2048})[0]
-    unrecorded = {**stamp, "settings": {"changed": {}, "defaults_fingerprint": settings["defaults_fingerprint"]}}
+    fingerprint_only = {"changed": {}, "defaults_fingerprint": settings["defaults_fingerprint"]}
+    unrecorded = {**stamp, "settings": fingerprint_only}
     assert "does not record the defaults" in stamp_problems("a.json", unrecorded, now)[0]
 
 
@@ -217,7 +220,9 @@ def test_changing_a_default_makes_the_evidence_stale(tmp_path: Path, monkeypatch
     # A default changes in common/settings.py, and nobody reruns the measurement:
     monkeypatch.setattr(Settings.model_fields["max_queue"], "default", 2048)
     problems = stale_evidence(res, img)
-    assert problems == ["stage0.json: the default of MAX_QUEUE changed since it was measured (1024, now 2048)"]
+    assert problems == [
+        "stage0.json: the default of MAX_QUEUE changed since it was measured (1024, now 2048)"
+    ]
     _write_page(res, img, _fresh_stamp())  # ... until it is rerun
     assert stale_evidence(res, img) == []
 

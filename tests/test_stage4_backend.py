@@ -213,6 +213,7 @@ async def test_with_redis_the_leader_looks_up_once_for_everyone(
     gated.gate.set()
     await asyncio.gather(*tasks)
     assert gated.calls == [1]
+    await backend.cache.flush()  # the write goes behind the answers
     assert backend.stats.cache.misses["redis"] == 1 and backend.stats.cache.writes["redis"] == 1
     assert len(gated.tokenized) == 1  # the leader tokenized, for all 50
     again = await backend.embed(_job(engine, text))
@@ -227,6 +228,7 @@ async def test_a_redis_hit_on_another_replica_carries_usage_and_truncated(
     reader, gated = await make(cache_url=redis_url)  # a second replica: its memory tier is empty
     texts = [_new("shared by replicas"), _long(engine)]
     first = await writer.embed(_job(engine, texts))
+    await writer.cache.flush()  # the write goes behind the answer
     hit = await reader.embed(_job(engine, texts))
     assert hit.cache_hits == 2 and reader.stats.cache.hits["redis"] == 2
     assert gated.tokenized == [] and gated.calls == []

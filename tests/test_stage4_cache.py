@@ -237,7 +237,8 @@ async def test_two_tiers_promote_redis_hits_into_memory(redis_url: str) -> None:
     await reader.start()
     try:
         key = _unique("test-tiers")
-        await writer.put([key], [CacheEntry(_vec(7), 12, True)])
+        writer.put([key], [CacheEntry(_vec(7), 12, True)])
+        await writer.flush()  # the Redis write goes behind the answer
         assert writer.get_local([key])[0] is not None
         assert reader.get_local([key]) == [None]
         (remote,) = await reader.get_remote([key])
@@ -258,7 +259,7 @@ async def test_cache_disabled_stores_nothing(redis_url: str, enabled: bool) -> N
     await cache.start()
     try:
         assert cache.redis is None
-        await cache.put(["k"], [CacheEntry(_vec(1), 3, False)])
+        cache.put(["k"], [CacheEntry(_vec(1), 3, False)])
         assert cache.get_local(["k"]) == [None] and len(cache.memory) == 0
     finally:
         await cache.close()

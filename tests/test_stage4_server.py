@@ -319,7 +319,7 @@ def test_the_drain_delay_keeps_serving_with_readiness_503_then_stops_accepting(s
         server.process.wait(timeout=10)
     during = [(ready, embed) for t, ready, embed in seen if t < delay - 0.5]
     after = [(ready, embed) for t, ready, embed in seen if t > delay + 1.0]
-    assert len(during) >= 10 and set(during) == {("503", "200")}, seen
+    assert len(during) >= 3 and set(during) == {("503", "200")}, seen
     assert all(ready == "refused" for ready, _ in after), seen
     assert time.monotonic() - signalled < delay + 10
 

@@ -1,0 +1,145 @@
+"""The Redis tier at a distance: bounded connections, TLS that must verify, a slow Redis bounded.
+
+Real parts throughout: stage 4 over real sockets, a real redis-server of the test's own (plain
+or TLS, with a CA made on the spot), and ``loadtests.delay_relay`` for the distance. The
+measurement itself (per-command against pooled, near and far) is ``benchmarks.cache_distance``;
+its results file is checked at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+from redis_support import own_redis
+
+from common import corpus
+from loadtests.delay_relay import relay
+
+STAGE = "stage4_cache_backpressure"
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results" / "cache_distance.json"
+
+
+def _texts(n: int) -> list[str]:
+    return corpus.texts(n, seed=random.randrange(2**31), kind="sentence")
+
+
+def _embed(url: str, text: str) -> httpx.Response:
+    r = httpx.post(f"{url}/v1/embed", json={"inputs": [text]}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _lookups(watch: redis.Redis) -> int:
+    return int(watch.info("commandstats").get("cmdstat_mget", {}).get("calls", 0))
+
+
+def _load(url: str, texts: list[str], clients: int, watch: redis.Redis) -> tuple[int, int, int]:
+    """``texts`` one a request from ``clients`` threads; meanwhile Redis's own count of its
+    clients, sampled. Returns (most clients connected at once, connections Redis accepted,
+    lookups it answered), as Redis counts them."""
+    before = int(watch.info("stats")["total_connections_received"])
+    lookups = _lookups(watch)
+    most, done = 0, threading.Event()
+
+    def sample() -> None:
+        nonlocal most
+        while not done.is_set():
+            most = max(most, int(watch.info("clients")["connected_clients"]))
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(clients) as pool:
+            list(pool.map(lambda t: _embed(url, t), texts))
+    finally:
+        done.set()
+        sampler.join()
+    accepted = int(watch.info("stats")["total_connections_received"]) - before
+    return most, accepted, _lookups(watch) - lookups
+
+
+def test_the_pooled_client_keeps_its_connections_bounded_and_per_command_does_not(
+    server_factory: Any, tmp_path: Path
+) -> None:
+    warm = _texts(40)
+    texts = warm * 3 + _texts(60)  # hits and misses, 180 requests
+    random.shuffle(texts)
+    with own_redis(tmp_path) as r:
+        watch = redis.Redis.from_url(r.url)
+        counts = {}
+        for client in ("pooled", "per-command"):
+            # a timeout long enough that no lookup fails open under this load: every command counts
+            env = {"CACHE_URL": r.url, "CACHE_MAX_ITEMS": "0", "CACHE_TIMEOUT_MS": "2000"}
+            env["CACHE_CLIENT"] = client
+            with server_factory(STAGE, env) as server:
+                for text in warm:
+                    _embed(server.url, text)
+                counts[client] = _load(server.url, texts, 32, watch)
+    most, accepted, lookups = counts["pooled"]
+    assert lookups >= len(texts) // 2, counts  # Redis was in the path (followers of a text in flight are not)
+    assert most <= 32 + 1, counts  # the pool's bound (32), and our own watching connection
+    assert accepted <= 32, counts  # the same connections, reused
+    # the lesson's client: a new connection for every command
+    _, accepted, lookups = counts["per-command"]
+    assert lookups >= len(texts) // 2 and accepted >= lookups, counts
+
+
+def test_a_certificate_that_does_not_verify_is_said_at_startup_and_the_tier_is_off(
+    server_factory: Any, tmp_path: Path
+) -> None:
+    text = _texts(1)[0]
+    with own_redis(tmp_path, tls=True) as r:
+        assert r.url.startswith("rediss://") and r.ca_file is not None
+        with server_factory(STAGE, {"CACHE_URL": r.url, "CACHE_MAX_ITEMS": "0"}) as server:
+            log = server.log()
+            assert "TLS certificate does not verify" in log and "set CACHE_CA_FILE" in log
+            assert [_embed(server.url, text).headers["x-cache"] for _ in range(2)] == ["miss", "miss"]
+            assert log.count("does not verify") == 1 and "answering from the model" not in server.log()
+        # with the CA that signed it: the same Redis over TLS serves hits
+        env = {"CACHE_URL": r.url, "CACHE_MAX_ITEMS": "0", "CACHE_CA_FILE": str(r.ca_file)}
+        with server_factory(STAGE, env) as server:
+            assert _embed(server.url, text).headers["x-cache"] == "miss"
+            time.sleep(0.2)  # the write goes behind the answer
+            assert _embed(server.url, text).headers["x-cache"] == "hit"
+            assert "does not verify" not in server.log()
+
+
+def test_a_slow_redis_never_adds_more_than_the_timeout(server_factory: Any, tmp_path: Path) -> None:
+    """A Redis 300 ms away, CACHE_TIMEOUT_MS=50: each request's own time, less its model time,
+    stays within the timeout (and a little for HTTP), new texts and repeats alike."""
+    timeout_ms = 50
+    with own_redis(tmp_path) as r, relay(r.port, 300) as port:
+        env = {"CACHE_URL": f"redis://127.0.0.1:{port}/0", "CACHE_TIMEOUT_MS": str(timeout_ms)}
+        with server_factory(STAGE, env) as server:
+            overheads = []
+            for text in _texts(12):
+                response = _embed(server.url, text)
+                total = float(response.headers["x-total-time"])
+                overheads.append(total - float(response.headers["x-inference-time"]))
+    assert max(overheads) < timeout_ms + 40, overheads
+
+
+def test_the_results_file_has_the_rows_the_chapter_reads() -> None:
+    result = json.loads(RESULTS.read_text())
+    rows = result["rows"]
+    keys = {"client", "tls", "rtt_ms", "hit_ms", "miss_ms", "req_s"}
+    assert all(set(row) == keys for row in rows)
+    kinds = {
+        (client, tls, rtt)
+        for client in ("per-command", "pooled")
+        for tls in (False, True)
+        for rtt in (0.0, 30.0)
+    }
+    assert {(row["client"], row["tls"], row["rtt_ms"]) for row in rows} == kinds
+    far = {row["client"]: row for row in rows if row["tls"] and row["rtt_ms"] >= 20}
+    assert far["per-command"]["hit_ms"] >= 2 * far["pooled"]["hit_ms"]
+    assert far["per-command"]["hit_ms"] > result["no_cache_ms"]  # the cache slower than no cache
