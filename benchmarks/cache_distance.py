@@ -122,7 +122,25 @@ def measure(n: int) -> dict[str, Any]:
                     with running_stage(STAGE, LOGS, env) as server:
                         out["memory_tier"] = {"tls": True, "rtt_ms": rtt_ms, **_measure(server, n)}
     out["rows"] = rows
+    out["derived"] = derived(out)
     return out
+
+
+def derived(r: dict[str, Any]) -> dict[str, float]:
+    """What the chapter reads off the table. A hit at a distance costs the loopback hit plus the
+    round trip, and so does the lookup before a miss: the cache pays while, at the hit share,
+    ``hit_share * (hit + rtt) + (1 - hit_share) * (miss + rtt)`` stays below no cache."""
+    row = {(x["client"], x["tls"], x["rtt_ms"]): x for x in r["rows"]}
+    far, near = max(RTTS_MS), min(RTTS_MS)
+    pooled, naive, local = row["pooled", True, far], row["per-command", True, far], row["pooled", True, near]
+    mix = r["hit_share"] * local["hit_ms"] + (1 - r["hit_share"]) * local["miss_ms"]
+    return {
+        "per_command_over_pooled_hit": round(naive["hit_ms"] / pooled["hit_ms"], 1),
+        "per_command_hit_over_no_cache": round(naive["hit_ms"] / r["no_cache_ms"], 1),
+        "pooled_hit_over_no_cache": round(pooled["hit_ms"] / r["no_cache_ms"], 1),
+        "break_even_rtt_ms_hits": round(r["no_cache_ms"] - local["hit_ms"], 1),
+        "break_even_rtt_ms_mix": round(r["no_cache_ms"] - mix, 1),
+    }
 
 
 def markdown(r: dict[str, Any]) -> str:

@@ -5,16 +5,17 @@
     python -m benchmarks.stage4 --record   # written to docs/results/
 
 1. Latency of a cache hit in the memory tier and in the Redis tier, against a miss (same run).
-2. Redis from Python: one pooled client versus a new connection per command (same Redis, same run).
-3. The seed's repeated-text workload (100 requests, unique ratio 0.3) on stage 3 and stage 4.
-4. The seed's overload run (queue capped at 5, 300 requests of one passage at concurrency 200)
+   (A pooled client against one that connects per command, near and far, plain and TLS:
+   ``benchmarks.cache_distance``.)
+2. The seed's repeated-text workload (100 requests, unique ratio 0.3) on stage 3 and stage 4.
+3. The seed's overload run (queue capped at 5, 300 requests of one passage at concurrency 200)
    on stage 4, and the same load on stage 3, which has no bound.
-5. A flood: MAX_QUEUE=8 and 200 connections of ``wrk``, one new sentence per request, that wait
+4. A flood: MAX_QUEUE=8 and 200 connections of ``wrk``, one new sentence per request, that wait
    a refusal's Retry-After before they send again (polite clients, Locust's users, the ``openai``
    client's retries) or send again at once (a naive retry loop), for several SHED_DELAY_MS.
    Goodput is the 200s per second as a share of stage 4's capacity (its defaults, 32 connections).
 
-Parts 1, 3 and 4 need each answer's headers and status: their client is httpx; part 5's is wrk.
+Parts 1 to 3 need each answer's headers and status: their client is httpx; part 4's is wrk.
 
 Uses the Redis at 127.0.0.1:6379 when it answers, else starts a private ``redis-server``.
 """
@@ -36,7 +37,6 @@ import httpx
 import numpy as np
 import orjson
 import psutil
-import redis.asyncio as aioredis
 
 from benchmarks.stage3 import bodies_for
 from common import corpus
@@ -96,26 +96,7 @@ def tier_latency(redis_url: str, n: int) -> dict[str, Any]:
     return out
 
 
-# --- 2. pooled client versus a connection per command -------------------------------------
-async def redis_connections(url: str, n: int) -> dict[str, Any]:
-    key, value = f"bench:stage4:{random.random()}", np.zeros(384, np.float32).tobytes()
-    pooled_client = aioredis.Redis.from_url(url)
-    await pooled_client.set(key, value, ex=60)
-    pooled, fresh = [], []
-    for _ in range(n):  # interleaved, so both see the same machine at the same moment
-        started = time.perf_counter()
-        assert await pooled_client.get(key) == value
-        pooled.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        client = aioredis.Redis.from_url(url)  # the seed's mistake: a new connection per command
-        assert await client.get(key) == value
-        await client.aclose()
-        fresh.append(time.perf_counter() - started)
-    await pooled_client.aclose()
-    return {"value_bytes": len(value), "pooled": _ms(pooled), "new_connection_per_command": _ms(fresh)}
-
-
-# --- 3 and 4. concurrent workloads ----------------------------------------------------------
+# --- 2 and 3. concurrent workloads ----------------------------------------------------------
 def _fire(
     server: StageProcess, texts: list[str], concurrency: int, keep_alive: bool = True
 ) -> dict[str, Any]:
@@ -231,7 +212,7 @@ def _latency_rows(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
 
 
 def markdown(r: dict[str, Any]) -> str:
-    t, c, rep, ov = r["tiers"], r["redis_connections"], r["repeated"], r["overload"]
+    t, rep, ov = r["tiers"], r["repeated"], r["overload"]
     sections: dict[str, list[str]] = {}
     sections["tiers"] = [
         "**Cache hit latency by tier** (sequential requests of one text, client side):",
@@ -239,12 +220,6 @@ def markdown(r: dict[str, Any]) -> str:
         *_latency_rows([("hit, memory tier", t["memory_hit"]), ("hit, Redis tier", t["redis_hit"]),
                         ("miss (memory-only server)", t["miss_memory_server"]),
                         ("miss (Redis-only server)", t["miss_redis_server"])]),
-    ]  # fmt: skip
-    sections["redis"] = [
-        f"**Redis GET of {c['value_bytes']} bytes** (local Redis, interleaved, same run):",
-        "",
-        *_latency_rows([("one pooled client", c["pooled"]),
-                        ("new connection per command", c["new_connection_per_command"])]),
     ]  # fmt: skip
     runs = {stage: rep[stage]["median_round"] for stage in (S3, S4)}
     sections["repeated"] = [
@@ -309,7 +284,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--latency-requests", type=int, help="requests per tier (default 200, quick 30)")
-    parser.add_argument("--redis-commands", type=int, help="GETs per client kind (default 500, quick 100)")
     parser.add_argument(
         "--rounds", type=int, help="cold rounds of the repeated workload (default 3, quick 1)"
     )
@@ -319,19 +293,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     run = evidence.start("benchmarks.stage4", args, argv)
     latency = args.latency_requests or (30 if args.quick else 200)
-    commands = args.redis_commands or (100 if args.quick else 500)
     rounds = args.rounds or (1 if args.quick else 3)
     result: dict[str, Any] = {}
     with any_redis() as url:
-        print("1/5 cache hit latency by tier", flush=True)
+        print("1/4 cache hit latency by tier", flush=True)
         result["tiers"] = tier_latency(url, latency)
-        print("2/5 Redis: pooled versus new connection per command", flush=True)
-        result["redis_connections"] = asyncio.run(redis_connections(url, commands))
-    print("3/5 repeated-text workload, stage 3 and stage 4", flush=True)
+    print("2/4 repeated-text workload, stage 3 and stage 4", flush=True)
     result["repeated"] = repeated(100, 0.3, 8, rounds)
-    print("4/5 overload, stage 4 and stage 3", flush=True)
+    print("3/4 overload, stage 4 and stage 3", flush=True)
     result["overload"] = overload(300, 200, 5)
-    print("5/5 a flood, polite and impolite clients, by SHED_DELAY_MS", flush=True)
+    print("4/4 a flood, polite and impolite clients, by SHED_DELAY_MS", flush=True)
     seconds = args.flood_seconds or (2.0 if args.quick else 8.0)
     result["flood"] = flood(
         200, (0.0, 50.0, 200.0), seconds, 1.0 if args.quick else 2.0, 1 if args.quick else 2
