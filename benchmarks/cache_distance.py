@@ -149,7 +149,7 @@ def markdown(r: dict[str, Any]) -> str:
          num(row["miss_ms"]), num(row["req_s"], 0))
         for row in sorted(r["rows"], key=lambda x: (x["rtt_ms"], x["tls"], x["client"]))
     ]  # fmt: skip
-    m = r["memory_tier"]
+    m, d, far = r["memory_tier"], r["derived"], max(RTTS_MS)
     sections = {
         "distance": [
             f"**A Redis tier at a distance** (stage 4, Redis tier only, {r['requests']} requests of one "
@@ -164,7 +164,15 @@ def markdown(r: dict[str, Any]) -> str:
             f"{num(r['no_cache_req_s'], 0)} req/s. "
             f"The pooled client over TLS at {m['rtt_ms']:g} ms with the in-process tier in front: a "
             f"repeat of a text it has seen is {num(m['hit_ms'], 2)} ms, and {num(m['req_s'], 0)} req/s.",
-        ]
+        ],
+        "reading": [
+            f"- Far ({far:g} ms) and over TLS, a per-command hit is {d['per_command_hit_over_no_cache']}x "
+            f"the request with no cache; a pooled hit is {d['pooled_hit_over_no_cache']}x, "
+            f"{d['per_command_over_pooled_hit']}x cheaper than the per-command one.",
+            f"- A hit costs the loopback hit plus the round trip, and so does the lookup before a miss: "
+            f"against this model a hit stops paying at a round trip of {d['break_even_rtt_ms_hits']:g} ms, "
+            f"the {100 * r['hit_share']:.0f}% mix at {d['break_even_rtt_ms_mix']:g} ms.",
+        ],
     }
     return page(r["stamp"], sections) + "\n"
 
