@@ -123,15 +123,22 @@ STEPS: tuple[Step, ...] = (
         10,
         4,
     ),
-    # 5 stages x 8 profiles x 2 commits x 2 rounds x (6 s + about 2 s) (3 rounds: 32.9 min)
+    # 2 stages x 3 profiles x 2 commits x 2 rounds x (6 s + about 2 s), and the servers' start-ups
     Step(
         "before-after",
-        "the stages before the layout and now, in turns",
+        "stages 4 and 5 before the Redis write went behind the answer, and now, in turns",
         "benchmarks.compare",
         ("before_after.json",),
-        22,
         4,
-        args=("--against", "8f0f03d"),
+        2,
+        args=(
+            "--against",
+            "f39c08d",
+            "--stages",
+            "stage4_cache_backpressure,stage5_metrics",
+            "--profiles",
+            "unique-1,unique-32,repeated-32",
+        ),
     ),
     Step(
         "cost-model",
