@@ -111,7 +111,6 @@ class StageProcess:
     host: str = "127.0.0.1"
     without: tuple[str, ...] = ()
     tree: Path = REPO  # the checkout the stage runs from (another commit's worktree: compare --against)
-    command: tuple[str, ...] = ()  # instead of `make stageN`'s (a profiled server: benchmarks/request_path)
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -128,7 +127,7 @@ class StageProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                list(self.command) or server_command(self.stage),
+                server_command(self.stage),
                 cwd=self.tree,
                 env=server_env(self.host, self.port, {**self.env, **_tree_path(self.tree)}, self.without),
                 stdout=log,
@@ -174,16 +173,15 @@ def running_stage(
     host: str = "127.0.0.1",
     ready_timeout: float = 180.0,
     tree: Path = REPO,
-    command: Sequence[str] = (),
 ) -> Iterator[StageProcess]:
     """``stage`` started and ready, stopped (SIGTERM, then SIGKILL) on exit; its log in ``log_dir``.
 
     ``env`` adds to this process's environment; ``without`` names variables to leave out; ``tree``
-    is the checkout whose code it runs (this one by default); ``command`` replaces `make stageN`'s.
+    is the checkout whose code it runs (this one by default).
     """
     port = port or free_port()
     log = log_dir / f"{stage}-{port}.log"
-    server = StageProcess(stage, dict(env or {}), log, port, host, tuple(without), tree, tuple(command))
+    server = StageProcess(stage, dict(env or {}), log, port, host, tuple(without), tree)
     server.start(ready_timeout)
     try:
         yield server

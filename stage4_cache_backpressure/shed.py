@@ -3,8 +3,8 @@
 Admission (step 4 of ``app.py``) refuses a request only after it has been routed, read, validated
 and looked up in the cache. Under a flood of clients that send again the moment they are refused,
 those refusals take the event loop from the requests that were admitted: the model slots then wait
-for the loop, and the server answers fewer 200s the harder it is pushed (measured in
-``docs/results/flood.md``). A refusal here costs only what uvicorn already did (the headers are
+for the loop, and the server answers fewer 200s the harder it is pushed (the flood in
+``docs/results/stage4.md``). A refusal here costs only what uvicorn already did (the headers are
 parsed): a pure ASGI middleware looks at the queue and, when it is full, answers 503 (or 429) with
 Retry-After before the body is read.
 

@@ -7,9 +7,10 @@ request's ``RequestRecord`` from its typed result (texts, tokens, cache hits, qu
 
 It is a pure ASGI middleware, not FastAPI's ``@app.middleware("http")`` (Starlette's
 ``BaseHTTPMiddleware``, which runs the rest of the app in a task group and streams the answer
-through it). Measured on a stage 5 workload of cache hits, the idiom cost far more than the 5 %
-that would justify leaving it (``python -m benchmarks.stage5_middleware``; the figures are in
-the stage 5 chapter), so this departure stays.
+through a memory stream; Starlette's documentation lists its limitations, context variables
+and background tasks among them). Starlette's own middleware are all pure ASGI, and so are the
+others here (``common/limits.py``, ``common/auth.py``, stage 4's ``shed.py``): a middleware that
+only watches the messages go by needs nothing more.
 """
 
 from __future__ import annotations
