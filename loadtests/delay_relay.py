@@ -6,7 +6,7 @@ handshake), and every chunk of bytes arrives half a round trip after it was sent
 both directions: what a server at that distance costs, and nothing about bandwidth or loss.
 TLS goes through it untouched, so its handshake pays the distance too.
 
-    python -m loadtests.delay_relay --target 127.0.0.1:6379 --rtt-ms 30   # prints its port
+    python -m loadtests.delay_relay --rtt-ms 30   # to the local Redis (--target); prints its port
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", required=True, help="host:port to relay to")
+    parser.add_argument("--target", default="127.0.0.1:6379", help="host:port to relay to (the local Redis)")
     parser.add_argument("--rtt-ms", type=float, required=True, help="round-trip time to add")
     args = parser.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
