@@ -22,6 +22,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from common.serve import resolve
 from loadtests import evidence, harness
 from loadtests.harness import PROFILES
@@ -30,13 +32,23 @@ from loadtests.procs import answers, running_stage
 OUT = evidence.OUT / "loadtest"  # git-ignored
 
 
+def _listening(port: int) -> int | None:
+    """The pid of the process listening on ``port`` on this machine, when it can be seen."""
+    with contextlib.suppress(psutil.AccessDenied):
+        for conn in psutil.net_connections("tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+                return int(conn.pid)
+    return None
+
+
 @contextlib.contextmanager
 def server_for(stage: str, host: str, port: int, out: Path) -> Iterator[int | None]:
     """The pid of a stage started here, or None when something already answers on host:port."""
     url = f"http://{host}:{port}"
     if answers(f"{url}/ready"):
-        print(f"using the server already answering on {url}", flush=True)
-        yield None
+        pid = _listening(port)
+        print(f"using the server already answering on {url} (pid {pid or 'not visible'})", flush=True)
+        yield pid  # its CPU is measured too, when this user can see its process
         return
     print(f"starting {stage} on {url} (log: {out / f'{stage}-{port}.log'})", flush=True)
     with running_stage(stage, out, port=port, host=host) as server:
@@ -86,11 +98,12 @@ def headless(
         writer = csv.DictWriter(f, fieldnames=list(row))
         writer.writeheader()
         writer.writerow(row)
+    server = f"{point.server_cores:.2f}" if server_pid else "not measured (its process is not visible)"
     print(
         f"{stage} {profile.name}: {point.rps:.1f} req/s, p50 {point.p50_ms:.0f} ms,"
         f" p95 {point.p95_ms:.0f} ms, p99 {point.p99_ms:.0f} ms, failures {point.failures};"
         f" Locust used {point.loadgen_cores:.2f}"
-        f" cores, the server {point.server_cores:.2f}\nfiles: {prefix}_summary.json, {prefix}_summary.csv,"
+        f" cores, the server {server}\nfiles: {prefix}_summary.json, {prefix}_summary.csv,"
         f" Locust's {prefix}.json and {prefix}_stats_history.csv",
         flush=True,
     )

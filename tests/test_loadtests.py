@@ -248,6 +248,21 @@ def test_make_loadtest_headless_writes_csv_and_json(tmp_path: Path) -> None:
     assert 0 < summary["p50_ms"] <= summary["p99_ms"] <= summary["max_ms"]
 
 
+def test_headless_against_a_running_server_measures_its_cpu(stage_url: str, tmp_path: Path) -> None:
+    """A server this command did not start: its process is found by its port, and its CPU counted."""
+    port = int(stage_url.rsplit(":", 1)[1])
+    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port)}
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.run", "--stage", available_stages()[-1], "--headless",
+         "--profile", "unique-8", "--duration", "2", "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "using the server already answering" in done.stdout and "not visible" not in done.stdout
+    (summary_path,) = tmp_path.glob("*_summary.json")
+    assert json.loads(summary_path.read_text())["server_cores"] > 0.01
+
+
 # --- make compare, quick ----------------------------------------------------------
 def test_quick_compare_writes_complete_results(tmp_path: Path) -> None:
     """`make compare QUICK=1`, shortened: every stage, every chosen profile, every figure."""
