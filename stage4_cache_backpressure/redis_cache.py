@@ -68,6 +68,7 @@ class RedisCache:
         self._failures_unlogged = 0
         self._last_log = float("-inf")
         self._failing = False
+        self._last_failure = ""
         self._writes: set[asyncio.Task[None]] = set()  # written behind the answers, awaited on close
 
     async def start(self) -> None:
@@ -120,6 +121,8 @@ class RedisCache:
 
     async def close(self) -> None:
         await self.flush()
+        if self._failures_unlogged:  # the last interval's failures, not left out of the log
+            self._report()
         if self.client is not None:
             await self.client.aclose()  # closes the pool's connections too
             self.client = None
@@ -192,16 +195,17 @@ class RedisCache:
                         await self.client.connection_pool.disconnect(inuse_connections=False)
         self._failing = True
         self._failures_unlogged += 1
-        now = time.monotonic()
-        if now - self._last_log >= self.log_interval_s:  # one line per interval, not one per request
-            log.warning(
-                "redis cache %s (%s: %s); %d failure(s) since the last report; answering from the model",
-                kind,
-                type(exc).__name__,
-                exc,
-                self._failures_unlogged,
-            )
-            self._last_log, self._failures_unlogged = now, 0
+        self._last_failure = f"{kind} ({type(exc).__name__}: {exc})"
+        if time.monotonic() - self._last_log >= self.log_interval_s:  # one line per interval
+            self._report()
+
+    def _report(self) -> None:
+        log.warning(
+            "redis cache %s; %d failure(s) since the last report; answering from the model",
+            self._last_failure,
+            self._failures_unlogged,
+        )
+        self._last_log, self._failures_unlogged = time.monotonic(), 0
 
     def _recovered(self) -> None:
         self._timeouts_in_a_row = 0
