@@ -23,7 +23,8 @@ def _families() -> list[Metric]:
     # A fresh registry: the state of a server whose model has not loaded yet (zeros), the names
     # and labels of every metric; a labelled metric shows its labels once used.
     metrics = Metrics()
-    metrics.earlier_stages.source = lambda: StageCounts(info={"model": "m", "dimensions": "384"})
+    counts = StageCounts(info={"model": "m", "dimensions": "384"}, slot_busy_s={"0": 0.0})  # one slot
+    metrics.earlier_stages.source = lambda: counts
     metrics.observe_request("/v1/embed", 200, 0.01)
     return list(metrics.registry.collect())
 

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,7 @@ class RedisCache:
         self._last_log = float("-inf")
         self._failing = False
         self._last_failure = ""
-        self._writes: set[asyncio.Task[None]] = set()  # written behind the answers, awaited on close
+        self._writes: set[asyncio.Task[None]] = set()  # work behind the answers, awaited on close
 
     async def start(self) -> None:
         # ONE pool for the process, opened here (the lifespan), never per request: a new
@@ -130,11 +130,20 @@ class RedisCache:
 
     def write_behind(self, items: dict[str, bytes]) -> None:
         """``put_many`` in a task of its own: the answer goes out without waiting for Redis."""
-        if self.client is None or not items:
-            return
-        task = asyncio.create_task(self.put_many(items))
+        if self.client is not None and items:
+            self._behind(self.put_many(items))
+
+    def _behind(self, work: Coroutine[Any, Any, None]) -> None:
+        """Work no request waits for (a write, a reset of the pool); ``flush`` and ``close`` do."""
+        task = asyncio.create_task(work)
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
+
+    async def _disconnect_idle(self) -> None:
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.timeout_s):
+                    await self.client.connection_pool.disconnect(inuse_connections=False)
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """One MGET; on any failure every key is a miss."""
@@ -149,13 +158,13 @@ class RedisCache:
             if not isinstance(raw, list) or len(raw) != len(keys):
                 raise _Garbage(f"MGET returned {type(raw).__name__} for {len(keys)} keys")
         except Exception as exc:
-            await self._failed(exc)
+            self._failed(exc)
             return [None] * len(keys)
         self._recovered()
         values: list[bytes | None] = []
         for value in raw:
             if value is not None and (not isinstance(value, bytes) or len(value) != self.value_bytes):
-                await self._failed(_Garbage(f"value of {len(value)} bytes, expected {self.value_bytes}"))
+                self._failed(_Garbage(f"value of {len(value)} bytes, expected {self.value_bytes}"))
                 value = None  # the model recomputes it and the write below overwrites it
             values.append(value)
         hits = sum(v is not None for v in values)
@@ -174,12 +183,12 @@ class RedisCache:
                         pipe.set(key, value, ex=self.ttl_s)
                     await pipe.execute()
         except Exception as exc:
-            await self._failed(exc)
+            self._failed(exc)
             return
         self.stats.writes["redis"] += len(items)
         self._recovered()
 
-    async def _failed(self, exc: BaseException) -> None:
+    def _failed(self, exc: BaseException) -> None:
         kind = _kind(exc)
         self.stats.errors[kind] += 1
         if kind == "timeout":
@@ -190,9 +199,7 @@ class RedisCache:
         elif kind != "garbage":  # the connection failed: Redis is down or restarting
             self._down_until = time.monotonic() + self.backoff_s
             if self.client is not None:  # idle connections may be dead too: reconnect them all later
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(self.timeout_s):
-                        await self.client.connection_pool.disconnect(inuse_connections=False)
+                self._behind(self._disconnect_idle())
         self._failing = True
         self._failures_unlogged += 1
         self._last_failure = f"{kind} ({type(exc).__name__}: {exc})"

@@ -144,7 +144,10 @@ class Metrics:
     def observe_batch(
         self, size: int, padded: int, real: int, tier: str, seconds: float, failed: bool
     ) -> None:
-        self._batches[tier].inc()
+        batches = self._batches.get(tier)
+        if batches is None:  # BATCHER=textbook: one window for every batch, no tier
+            batches = self._batches[tier] = self.batches.labels(tier or "none")
+        batches.inc()
         if failed:
             self.batch_errors.inc()
         self.batch_size.observe(size)

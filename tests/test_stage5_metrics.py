@@ -282,6 +282,19 @@ def test_uvicorn_lines_are_json_too(server: Server) -> None:
     assert all(line["level"] in ("debug", "info", "warning", "error") and "ts" in line for line in parsed)
 
 
+def test_the_textbook_batcher_counts_its_batches_under_no_tier(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """BATCHER=textbook in stage 5: its batches have no load tier, and count as tier "none"."""
+    with run_server(STAGE, tmp_path_factory.mktemp("textbook"), {"BATCHER": "textbook"}) as srv:
+        before = total(scrape(srv.url), "embedserve_batches_total")
+        response = httpx.post(f"{srv.url}/v1/embed", json={"inputs": ["one batch, no tier"]}, timeout=60)
+        assert response.status_code == 200, response.text
+        samples = scrape(srv.url)
+    assert value(samples, "embedserve_batches_total", tier="none") == 1
+    assert total(samples, "embedserve_batches_total") - before == 1
+
+
 def test_text_logs_for_people(tmp_path_factory: pytest.TempPathFactory) -> None:
     """LOG_FORMAT=text: the same lines as `<ts> LEVEL message key=value ...`, uvicorn's included."""
     with run_server(STAGE, tmp_path_factory.mktemp("text-logs"), {"LOG_FORMAT": "text"}) as srv:
