@@ -7,8 +7,10 @@
 ``stale_evidence``: every results file ``make results`` writes is there, carries a stamp, was
 measured at a clean commit, in a full (not QUICK) run, with today's defaults (every default its
 stamp records is still the default in ``common.settings.Settings``; a setting added since is
-allowed, see ``loadtests.evidence.defaults_changed``); its page and its pictures carry the same
-provenance. The age of a result alone is never a problem: results are rerun on purpose.
+allowed, see ``loadtests.evidence.defaults_changed``), on the model that setting serves now (a
+build that chooses another INT8 file makes every server measurement stale); its page and its
+pictures carry the same provenance. The age of a result alone is never a problem: results are
+rerun on purpose.
 
 ``unsourced_numbers``: a measured-looking number typed in a chapter (a decimal, a number with a
 unit such as ``ms``, ``%``, ``x``, ``req/s`` or ``MB``, or one with thousands separators) must be
@@ -58,6 +60,13 @@ def stamp_problems(name: str, stamp: dict[str, Any] | None, now: dict[str, Any])
         return [*problems, f"{name}: the stamp does not record the defaults it ran with"]
     if evidence.fingerprint(recorded) != settings.get("defaults_fingerprint"):
         problems.append(f"{name}: the recorded defaults do not match the fingerprint (edited by hand)")
+    model = (stamp.get("model") or {}).get("variant")
+    variant = (settings.get("changed") or {}).get("MODEL_VARIANT", now.get("MODEL_VARIANT", "int8"))
+    serving = evidence.served_variant(variant, evidence.REPO / str(now.get("MODEL_DIR", "models")))
+    if model is None:
+        problems.append(f"{name}: the stamp does not say which model it served")
+    elif serving is not None and serving != model:
+        problems.append(f"{name}: measured on {model}; MODEL_VARIANT={variant} serves {serving} now")
     for setting, (then, today) in evidence.defaults_changed(recorded, now).items():
         gone = "the setting is gone" if setting not in now else f"now {today!r}"
         problems.append(f"{name}: the default of {setting} changed since it was measured ({then!r}, {gone})")

@@ -1,10 +1,11 @@
 """Where a result comes from and where it goes: one machine record, one stamp, out/ or docs/results/.
 
 Every results file carries a ``stamp``: the commit (and whether the tree had uncommitted changes),
-the date, the machine, the command line, the wall time of the run, QUICK or full, and the server
-settings it ran with (each setting that differs from the defaults in ``common.settings.Settings``,
-and every default with its fingerprint, so a test can tell which default changed after the run; a
-setting added later, at a default that keeps what was measured, leaves the run current).
+the date, the machine, the command line, the wall time of the run, QUICK or full, the ONNX file
+the servers served (``int8`` resolved to the build's choice), and the server settings it ran
+with: each setting that differs from the defaults in ``common.settings.Settings``, and every
+default with its fingerprint, so a test can tell which default changed after the run (a setting
+added later, at a default that keeps what was measured, leaves the run current).
 
 A reader's run writes to ``out/`` (git-ignored) and prints its figures beside the committed ones;
 only ``--record`` (``make results``, ``RECORD=1``) writes ``docs/results/`` and ``docs/img/``, and it
@@ -32,6 +33,7 @@ from typing import Any
 import psutil
 from pydantic import SecretStr
 
+from common.engine import load_manifest
 from common.settings import REPO_ROOT, Settings
 
 REPO = REPO_ROOT
@@ -148,6 +150,17 @@ def resolved_settings(env: Mapping[str, str] | None = None, without: Sequence[st
     return Settings(**given)
 
 
+def served_variant(model_variant: str, model_dir: Path) -> str | None:
+    """The ONNX file a server with these settings serves: ``int8`` is the build's choice (its
+    manifest's ``int8_default``). None when no model is built there."""
+    if model_variant != "int8":
+        return model_variant
+    try:
+        return str(load_manifest(model_dir).get("int8_default", "int8-dynamic"))
+    except FileNotFoundError:
+        return None
+
+
 def settings_record(env: Mapping[str, str] | None = None, without: Sequence[str] = ()) -> dict[str, Any]:
     """The settings a run used: those that differ from the defaults, and the defaults themselves."""
     settings, base = resolved_settings(env, without), defaults()
@@ -232,6 +245,7 @@ class Run:
             moved = [f"HEAD moved to {commit[:7]} during the run"] if commit != self.commit else []
             self.changed = sorted(set(self.changed) | set(changed)) + moved
             self.recheck = False
+        settings = resolved_settings(server_env, without)
         return {
             "schema": SCHEMA,
             "commit": self.commit,
@@ -243,6 +257,7 @@ class Run:
             "quick": self.quick,
             "machine": machine(),
             "settings": settings_record(server_env, without),
+            "model": {"variant": served_variant(settings.model_variant, settings.model_dir)},
         }
 
 

@@ -162,6 +162,19 @@ def test_stamp_problems_name_every_reason() -> None:
     assert stamp_problems("a.json", old, now) == []  # age alone is never a reason
 
 
+def test_a_build_that_serves_another_int8_file_makes_a_run_stale(tmp_path: Path) -> None:
+    stamp = _fresh_stamp()
+    served = stamp["model"]["variant"]  # type: ignore[index]
+    assert served == evidence.served_variant("int8", evidence.REPO / "models" / "all-MiniLM-L6-v2")
+    other = "int8-rowwise" if served != "int8-rowwise" else "int8-dynamic"
+    (tmp_path / "manifest.json").write_text(json.dumps({"int8_default": other}))
+    now = {**evidence.defaults(), "MODEL_DIR": str(tmp_path)}
+    problems = stamp_problems("a.json", stamp, now)
+    assert f"a.json: measured on {served}; MODEL_VARIANT=int8 serves {other} now" in problems
+    unnamed = {k: v for k, v in stamp.items() if k != "model"}
+    assert "which model" in stamp_problems("a.json", unnamed, evidence.defaults())[0]
+
+
 def test_a_changed_or_removed_default_makes_a_run_stale_and_a_new_setting_does_not() -> None:
     stamp = _fresh_stamp()
     now = evidence.defaults()
