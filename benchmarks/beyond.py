@@ -44,7 +44,9 @@ from loadtests.tables import num, page, table
 
 REPO = evidence.REPO
 MAX_QUEUE = 64  # texts one server (one replica) holds before refusing: small against 200 connections
-REPLICA_ROOM = MAX_QUEUE  # requests Ray's proxy hands one replica at once (max_ongoing_requests)
+# Requests Serve hands one replica: more than it admits (its queue, a batch, those being read), so
+# the replica's own queue refuses first, as deploy/ray/serve.yaml has it.
+REPLICA_ROOM = 4 * MAX_QUEUE
 PROXY_QUEUE = 32  # requests Ray's proxy holds when every replica is full (serve.yaml's max_queued_requests)
 TEMP_DIR = Path("/tmp/ray-esbench")
 CAPACITY_CLIENTS = 32

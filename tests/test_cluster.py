@@ -8,8 +8,8 @@ with the Redis tier shared by both replicas, stopped with ``make cluster-down``.
    Redis hit on the other, as Ray's own metrics export of that replica says);
 3. one Prometheus, the shipped configuration, finding every node from Ray's service discovery
    file and scraping every replica, with stage 5's recording rules;
-4. the proxy's own refusals (a tiny queue, ``serve deploy`` of a config for one test) in the API's
-   JSON error shape;
+4. a flood against a tiny queue (``serve deploy`` of a config with MAX_QUEUE=4, for one test):
+   every refusal is a replica's own, in the API's JSON error shape, with Retry-After;
 5. the worker node killed (SIGKILL to its ``ray start --block``, so to every process of it) under
    a steady load: every request answered, failures only among those in flight, a retry gets 200,
    then the node comes back and a replica with it.
@@ -238,7 +238,7 @@ def test_prometheus_scrapes_every_replica_with_the_shipped_config(cluster: Clust
         assert len(up) == len(ray_targets(cluster)) >= 2 and all(r["value"][1] == "1" for r in up), up
 
 
-# --- 4. the proxy's own refusals ------------------------------------------------------------------
+# --- 4. refusals under a flood ---------------------------------------------------------------------
 async def _flood(url: str, n: int, texts: int) -> list[httpx.Response]:
     # Fresh texts in every request: the same texts in flight at once would be computed once (stage 4)
     bodies = [{"inputs": [" ".join(fresh_texts(8)) for _ in range(texts)]} for _ in range(n)]
@@ -246,11 +246,13 @@ async def _flood(url: str, n: int, texts: int) -> list[httpx.Response]:
         return list(await asyncio.gather(*(client.post("/v1/embed", json=body) for body in bodies)))
 
 
-def test_the_proxys_own_refusal_is_the_apis_json_error(cluster: Cluster, tmp_path: Path) -> None:
-    """A tiny queue in the proxy (one request a replica, two waiting): the rest are refused by Ray
-    itself, in the API's error shape, with Retry-After; nothing else but 200."""
+def test_a_floods_refusals_are_the_replicas_own_json_errors(cluster: Cluster, tmp_path: Path) -> None:
+    """A tiny queue in each replica (MAX_QUEUE=4, through the config's runtime_env): Serve hands
+    the replicas every request (max_ongoing_requests above what they admit), so every refusal is
+    stage 5's own, in the API's error shape, with Retry-After and the replica's name; nothing else
+    but 200."""
     config = yaml.safe_load((REPO / "deploy" / "ray" / "serve.yaml").read_text())
-    config["applications"][0]["args"].update(max_ongoing_requests=1, max_queued_requests=2)
+    config["applications"][0]["runtime_env"] = {"env_vars": {"MAX_QUEUE": "4"}}
     (tmp_path / "small.yaml").write_text(yaml.safe_dump(config))
     small = {**cluster.env, "CLUSTER_CONFIG": str(tmp_path / "small.yaml")}
     done = subprocess.run(
@@ -264,8 +266,8 @@ def test_the_proxys_own_refusal_is_the_apis_json_error(cluster: Cluster, tmp_pat
         assert set(statuses) <= {200, 503} and refused and 200 in statuses, statuses
         for r in refused:
             error = r.json()["error"]
-            assert error["code"] == 503 and r.headers["retry-after"] == "1"
-        assert any(r.json()["error"]["message"].startswith("overloaded:") for r in refused)
+            assert error["code"] == 503 and int(r.headers["retry-after"]) >= 1
+            assert "MAX_QUEUE=4" in error["message"] and "@" in r.headers["x-served-by"], error
     finally:
         back = cluster.command(".venv/bin/python", "-m", "deploy.ray.cluster", "redeploy")
         assert "redeployed" in back

@@ -3,8 +3,7 @@
 A replica builds ``stage5_metrics.app.build_app(settings)``, so everything of stage 5 stays
 per replica (batcher, in-process cache, admission, deadlines, metrics); the Redis tier
 (CACHE_URL) is shared by all of them. Ray Serve adds what one process cannot: replicas on
-several nodes behind one HTTP proxy, a queue in the proxy with its own refusals
-(``max_queued_requests``), restarts of dead replicas, autoscaling on queue length.
+several nodes behind one HTTP proxy, restarts of dead replicas, autoscaling on queue length.
 
 The application is a typed builder, so Serve's own commands take it:
 
@@ -67,16 +66,17 @@ class ClusterArgs(BaseModel):
     replica_cpus: float = Field(1.0, gt=0, description="Logical CPUs one replica reserves.")
     max_replicas_per_node: int = Field(1, ge=1, description="Spread: at most this many replicas a node.")
     max_ongoing_requests: int = Field(
-        64,
+        2048,
         ge=1,
-        description="Requests the proxy sends one replica at once. Ray's default (5) starves the "
-        "batcher: a replica batches only what it holds.",
+        description="Requests Serve hands one replica at once: more than stage 5 admits (MAX_QUEUE "
+        "texts, 1024), so its own queue refuses first, in the API's shape. Ray's default (5) starves "
+        "the batcher.",
     )
     max_queued_requests: int = Field(
         256,
         ge=-1,
-        description="Requests the proxy holds when every replica is full; more get OVERLOAD_STATUS "
-        "with Retry-After (-1: no limit).",
+        description="Requests the proxy holds when every replica is full; past it Ray itself refuses "
+        "(a safety net: with max_ongoing_requests above what a replica admits, the replica refuses first).",
     )
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After on a refusal by the proxy.")
     autoscale: bool = Field(False, description="Scale between min_replicas and replicas on queue length.")
