@@ -47,10 +47,13 @@ MAX_QUEUE = 64  # texts one server (one replica) holds before refusing: small ag
 # Requests Serve hands one replica: more than it admits (its queue, a batch, those being read), so
 # the replica's own queue refuses first, as deploy/ray/serve.yaml has it.
 REPLICA_ROOM = 4 * MAX_QUEUE
-PROXY_QUEUE = 32  # requests Ray's proxy holds when every replica is full (serve.yaml's max_queued_requests)
-TEMP_DIR = Path("/tmp/ray-esbench")
 CAPACITY_CLIENTS = 32
 FLOOD_CLIENTS = 200
+# Requests Ray's proxy holds while it picks a replica (serve.yaml's max_queued_requests). Past it
+# Ray refuses by itself, in plain text, even with room in the replicas (a burst waits there for a
+# moment); as many as there are clients, so that never happens and every refusal is a replica's.
+PROXY_QUEUE = FLOOD_CLIENTS
+TEMP_DIR = Path("/tmp/ray-esbench")
 SETUPS = ("stage5", "ray-1", "ray-2")
 SERVER_ENV = {"MAX_QUEUE": str(MAX_QUEUE), "LOG_LEVEL": "WARNING"}
 

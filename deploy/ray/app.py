@@ -75,8 +75,9 @@ class ClusterArgs(BaseModel):
     max_queued_requests: int = Field(
         256,
         ge=-1,
-        description="Requests the proxy holds when every replica is full; past it Ray itself refuses "
-        "(a safety net: with max_ongoing_requests above what a replica admits, the replica refuses first).",
+        description="Requests the proxy holds while it picks a replica; past it Ray itself refuses, "
+        "in plain text. A burst waits there a moment even with room in the replicas: size it above "
+        "the clients expected at once, so that the replica refuses first.",
     )
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After on a refusal by the proxy.")
     autoscale: bool = Field(False, description="Scale between min_replicas and replicas on queue length.")
