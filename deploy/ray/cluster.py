@@ -214,8 +214,9 @@ def main(argv: list[str] | None = None) -> None:
         if not workers:
             raise SystemExit("no worker node is running")
         node, pid = workers[0]
-        nodes.kill_node(pid)
-        print(f"killed node {node[:8]}: SIGKILL to its `ray start` (pid {pid}) and so to all its processes")
+        replicas = nodes.node_workers(cs, node)
+        nodes.kill_node(pid, replicas)
+        print(f"killed node {node[:8]}: SIGKILL to its `ray start` (pid {pid}) and its workers {replicas}")
     elif args.command == "redeploy":
         redeploy(cs)
     elif args.command == "add-node":

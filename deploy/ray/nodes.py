@@ -3,10 +3,12 @@ its own raylet and object store.
 
 ``ray start --block`` is how a container runs a Ray node (it is the container's first process):
 it stays in the foreground and the node's processes share its fate. SIGTERM drains the node and
-stops its processes; SIGKILL takes them all at once, as a machine crash does (the kernel ends every
-process it started: Ray starts them with "kill me when my parent dies"). So each node is one
-process id of our own, and no process is hunted by name. (``ray stop`` would stop every Ray
-process on the machine, another cluster's too.)
+stops its processes. SIGKILL to it is half a machine crash: the kernel ends the raylet and agents
+it started (Ray starts them with "kill me when my parent dies"), but a worker (a replica) lives on
+until it notices its raylet gone, and meanwhile takes requests. So a crash also kills the node's
+workers, by the process ids Ray's state API lists for that node. Each node is one process id of our
+own and no process is hunted by name. (``ray stop`` would stop every Ray process on the machine,
+another cluster's too.)
 
 On real machines each node runs the same ``ray start`` on its own host. Here all of them share
 one machine and talk over loopback. The node address is 127.0.0.2, not 127.0.0.1: Ray replaces
@@ -16,6 +18,7 @@ reach it), and these machines may only talk to themselves; any 127.x address is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -95,9 +98,23 @@ def alive(pid: int) -> bool:
     return not _zombie(pid)
 
 
-def kill_node(pid: int) -> None:
-    """What a machine crash does to a node: SIGKILL to its ``ray start``, and so to all its processes."""
-    os.kill(pid, signal.SIGKILL)
+def node_workers(cs: ClusterSettings, node_id: str) -> list[int]:
+    """Process ids of the live actors (replicas, proxy, controller) on a node, as Ray reports them."""
+    from ray.util.state import list_actors
+
+    filters: list[tuple[str, str, str | bool | int | float]] = [
+        ("node_id", "=", node_id),
+        ("state", "=", "ALIVE"),
+    ]
+    return [a.pid for a in list_actors(address=dashboard_address(cs), filters=filters) if a.pid]
+
+
+def kill_node(pid: int, workers: list[int] | None = None) -> None:
+    """What a machine crash does to a node: SIGKILL at once to its ``ray start`` (so to its raylet and
+    agents) and to its ``workers`` (``node_workers``)."""
+    for target in (*(workers or []), pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
 
 
 def stop_node(pid: int, timeout: float = 60.0) -> None:
