@@ -104,7 +104,7 @@ def _running(procs: dict[int, psutil.Process]) -> list[str]:
     for proc in procs.values():
         try:
             if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                out.append(f"{proc.pid} {proc.name()}")
+                out.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
         except psutil.Error:
             continue
     return out
@@ -140,7 +140,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             before = cluster_processes(cs)
             down = subprocess.run(["make", "cluster-down"], cwd=REPO, env=env, capture_output=True, text=True)
             assert down.returncode == 0, down.stdout + down.stderr
+            # Each node's `ray start` returns once it has stopped what it started; a process those
+            # started in turn may take a moment more to end (seen once: 1 of 29, gone within a second).
+            deadline = time.monotonic() + 10
             left = _running(before) + _running(cluster_processes(cs))
+            while left and time.monotonic() < deadline:
+                time.sleep(0.5)
+                left = _running(before) + _running(cluster_processes(cs))
             assert not left, f"make cluster-down left {left} of {len(before)} processes running"
 
 
