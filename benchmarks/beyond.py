@@ -34,10 +34,9 @@ from typing import Any
 
 import orjson
 import psutil
+import yaml
 
 from common.corpus import texts as corpus_texts
-from deploy.ray import nodes
-from deploy.ray.settings import ClusterSettings
 from loadtests import evidence
 from loadtests.httpload import closed_loop, percentile_ms, post_requests
 from loadtests.procs import free_port, running_stage
@@ -45,9 +44,16 @@ from loadtests.tables import num, page, table
 
 REPO = evidence.REPO
 MAX_QUEUE = 64  # texts one server (one replica) holds before refusing: small against 200 connections
-PROXY_QUEUE = 32  # requests Ray's proxy holds when every replica is full (CLUSTER_MAX_QUEUED_REQUESTS)
+# Requests Serve hands one replica: more than it admits (its queue, a batch, those being read), so
+# the replica's own queue refuses first, as deploy/ray/serve.yaml has it.
+REPLICA_ROOM = 4 * MAX_QUEUE
 CAPACITY_CLIENTS = 32
 FLOOD_CLIENTS = 200
+# Requests Ray's proxy holds while it picks a replica (serve.yaml's max_queued_requests). Past it
+# Ray refuses by itself, in plain text, even with room in the replicas (a burst waits there for a
+# moment); as many as there are clients, so that never happens and every refusal is a replica's.
+PROXY_QUEUE = FLOOD_CLIENTS
+TEMP_DIR = Path("/tmp/ray-esbench")
 SETUPS = ("stage5", "ray-1", "ray-2")
 SERVER_ENV = {"MAX_QUEUE": str(MAX_QUEUE), "LOG_LEVEL": "WARNING"}
 
@@ -62,26 +68,43 @@ def setup(name: str, logs: Path) -> Iterator[tuple[int, list[psutil.Process]]]:
         return
     replicas = int(name.split("-")[1])
     port = free_port()
+    config = yaml.safe_load((REPO / "deploy" / "ray" / "serve.yaml").read_text())
+    args = {"replicas": replicas, "max_ongoing_requests": REPLICA_ROOM, "max_queued_requests": PROXY_QUEUE}
+    config["applications"][0]["args"].update(args)
+    (logs / f"{name}-serve.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     env = {
         **os.environ,
         **SERVER_ENV,
         "HOST": "127.0.0.1",
         "PORT": str(port),
         "CLUSTER_NODES": str(replicas),
-        "CLUSTER_REPLICAS": str(replicas),
-        "CLUSTER_MAX_ONGOING_REQUESTS": str(MAX_QUEUE),
-        "CLUSTER_MAX_QUEUED_REQUESTS": str(PROXY_QUEUE),
-        "CLUSTER_TEMP_DIR": "/tmp/ray-esbench",
+        "CLUSTER_CONFIG": str(logs / f"{name}-serve.yaml"),
+        "CLUSTER_GCS_PORT": str(free_port()),
+        "CLUSTER_DASHBOARD_PORT": str(free_port()),
+        "CLUSTER_TEMP_DIR": str(TEMP_DIR),
         "CLUSTER_STATE_FILE": str(logs / f"{name}-state.json"),
     }
-    cs = ClusterSettings(temp_dir=Path("/tmp/ray-esbench"))
     up = subprocess.run(["make", "cluster"], cwd=REPO, env=env, capture_output=True, text=True)
     try:
         if up.returncode != 0:
             raise RuntimeError(f"make cluster failed:\n{up.stdout[-2000:]}\n{up.stderr[-2000:]}")
-        yield port, nodes.processes(cs)
+        yield port, cluster_processes(str(TEMP_DIR), f"127.0.0.2:{env['CLUSTER_GCS_PORT']}")
     finally:
         subprocess.run(["make", "cluster-down"], cwd=REPO, env=env, capture_output=True, text=True)
+
+
+def cluster_processes(*marks: str) -> list[psutil.Process]:
+    """Every process of the cluster: those whose command line names its session folder or GCS
+    address, and what they started (Ray renames its workers `ray::...`)."""
+    found = {}
+    for proc in psutil.process_iter():
+        try:
+            if any(mark in " ".join(proc.cmdline()) for mark in marks):
+                found[proc.pid] = proc
+                found.update({child.pid: child for child in proc.children(recursive=True)})
+        except psutil.Error:
+            continue
+    return list(found.values())
 
 
 def _role(proc: psutil.Process) -> str:
@@ -173,6 +196,7 @@ def measure(args: argparse.Namespace, run: evidence.Run) -> dict[str, Any]:
     out: dict[str, Any] = {
         "duration_s": args.duration,
         "max_queue": MAX_QUEUE,
+        "max_ongoing_requests": REPLICA_ROOM,
         "proxy_queue": PROXY_QUEUE,
         "capacity_clients": CAPACITY_CLIENTS,
         "flood_clients": FLOOD_CLIENTS,

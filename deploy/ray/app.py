@@ -3,104 +3,123 @@
 A replica builds ``stage5_metrics.app.build_app(settings)``, so everything of stage 5 stays
 per replica (batcher, in-process cache, admission, deadlines, metrics); the Redis tier
 (CACHE_URL) is shared by all of them. Ray Serve adds what one process cannot: replicas on
-several nodes behind one HTTP proxy, a queue in the proxy with its own refusals
-(``max_queued_requests``), restarts of dead replicas, autoscaling on queue length.
+several nodes behind one HTTP proxy, restarts of dead replicas, autoscaling on queue length.
 
-    make cluster        # two nodes, one replica each, the API on HOST:PORT
-    make cluster-down
+The application is a typed builder, so Serve's own commands take it:
+
+    serve run deploy.ray.app:builder replicas=1       # arguments checked by ClusterArgs
+    serve deploy deploy/ray/serve.yaml                # the same builder, from the config file
+    make cluster                                      # two nodes here, then that config file
 
 Two additions per replica, both for operating a fleet: an ``x-served-by`` header naming the
-replica and its node, and the replica's own ``/metrics`` on a port of its own, registered in
-Ray's key-value store so ``python -m deploy.ray.cluster targets`` can list every replica for
-Prometheus (through the proxy, a scrape would reach one replica at random).
+replica and its node, and stage 5's registry copied into Ray's metrics (``ray.serve.metrics``,
+which tags each series with its deployment and replica), so Ray's metrics export on each node
+serves every replica's numbers to Prometheus.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: Serve reads the builder's annotation as a class.
 import asyncio
-import json
-import os
-import socket
+import contextlib
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, Field
 from ray import serve
 from ray.serve.config import BackpressureConfig
+from ray.serve.metrics import Gauge
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.limits import APIError, error_response
-from common.settings import Settings, get_settings
-from deploy.ray.settings import ClusterSettings
+from common.settings import get_settings
 
-APP_NAME = "embedserve"
 SERVED_BY = "x-served-by"
-KV_NAMESPACE = "embedserve"
+METRICS_PERIOD_S = 2.0  # how often a replica hands its registry to Ray (Ray's agent reports every few s)
 
 
 # --8<-- [start:deployment]
+def replica_app() -> FastAPI:
+    """Built in each replica when it starts (Serve calls it there): stage 5, from the replica's settings."""
+    from stage5_metrics.app import build_app  # imported in the replica, never on the driver
+
+    app = build_app(get_settings())
+    app.add_middleware(ServedBy, name=_replica_name())
+    return app
+
+
 @serve.deployment(name="stage5")
-@serve.ingress()  # the app is built in the replica, from the replica's own settings
+@serve.ingress(replica_app)  # Serve's documented form for an app built on the replica
 class Stage5Replica:
-    """One replica: the stage 5 server, unchanged, plus its name on every answer."""
+    """One replica: the stage 5 server, unchanged, plus its name on every answer and its metrics in Ray's."""
 
-    async def __init__(self, cluster: dict[str, Any]) -> None:  # type: ignore[misc]  # Ray's idiom
-        from stage5_metrics.app import build_app  # imported in the replica, never on the driver
-
-        self.name = _replica_name()
-        self.stage5 = build_app(get_settings())  # (`self.app` is Ray's: the app it serves)
-        self.stage5.add_middleware(ServedBy, name=self.name)
-        self.metrics = MetricsPort(self.stage5, self.name, int(cluster["metrics_port"]))
-        await self.metrics.start()
-
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        return self.stage5
+    async def __init__(self) -> None:  # type: ignore[misc]  # Ray's idiom: an async constructor
+        # `self.app` is Serve's: the app it built from replica_app (after this constructor)
+        self.metrics = asyncio.create_task(copy_metrics_to_ray(lambda: self.app))  # type: ignore[attr-defined]
 
     async def __del__(self) -> None:
-        if hasattr(self, "metrics"):
-            await self.metrics.stop()
+        self.metrics.cancel()
 
 
-def application(cs: ClusterSettings | None = None, settings: Settings | None = None) -> Any:
-    """The bound application: replicas, placement, queue and scaling, all from settings."""
-    cs, settings = cs or ClusterSettings(), settings or get_settings()
+class ClusterArgs(BaseModel):
+    """The application's arguments: what `serve run ...:builder key=value` and serve.yaml's `args` set."""
+
+    replicas: int = Field(2, ge=1, description="Replicas of stage 5 (the starting count when autoscaling).")
+    replica_cpus: float = Field(1.0, gt=0, description="Logical CPUs one replica reserves.")
+    max_replicas_per_node: int = Field(1, ge=1, description="Spread: at most this many replicas a node.")
+    max_ongoing_requests: int = Field(
+        2048,
+        ge=1,
+        description="Requests Serve hands one replica at once: more than stage 5 admits (MAX_QUEUE "
+        "texts, 1024), so its own queue refuses first, in the API's shape. Ray's default (5) starves "
+        "the batcher.",
+    )
+    max_queued_requests: int = Field(
+        256,
+        ge=-1,
+        description="Requests the proxy holds while it picks a replica; past it Ray itself refuses, "
+        "in plain text. A burst waits there a moment even with room in the replicas: size it above "
+        "the clients expected at once, so that the replica refuses first.",
+    )
+    retry_after_s: float = Field(1.0, ge=0, description="Retry-After on a refusal by the proxy.")
+    autoscale: bool = Field(False, description="Scale between min_replicas and replicas on queue length.")
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas when autoscaling.")
+    target_ongoing_requests: float = Field(
+        32, gt=0, description="Autoscaling target: requests in a replica (queued in it or running)."
+    )
+
+
+def builder(args: ClusterArgs) -> serve.Application:
+    """The bound application (Serve's typed builder: it validates `args` into ClusterArgs first)."""
+    settings = get_settings()  # the stage settings every replica reads too (the nodes' environment)
     options: dict[str, Any] = {
-        "max_ongoing_requests": cs.max_ongoing_requests,  # what one replica may hold (and batch)
-        "max_queued_requests": cs.max_queued_requests,  # the proxy's queue; past it, a refusal
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "max_queued_requests": args.max_queued_requests,
         "backpressure_config": BackpressureConfig(
-            status_code=settings.overload_status, retry_after_s=cs.retry_after_s
+            status_code=settings.overload_status, retry_after_s=args.retry_after_s
         ),
-        "max_replicas_per_node": cs.max_replicas_per_node,  # one per node: a node loss costs one
+        "max_replicas_per_node": args.max_replicas_per_node,  # one per node: a node loss costs one
         "graceful_shutdown_timeout_s": settings.drain_timeout_s,
-        "ray_actor_options": {"num_cpus": cs.replica_cpus, "runtime_env": {"env_vars": replica_env()}},
+        "ray_actor_options": {"num_cpus": args.replica_cpus},
     }
-    if cs.autoscale:
+    if args.autoscale:
         options["autoscaling_config"] = {
-            "min_replicas": cs.min_replicas,
-            "initial_replicas": cs.replicas,
-            "max_replicas": cs.replicas,
-            "target_ongoing_requests": cs.target_ongoing_requests,
+            "min_replicas": args.min_replicas,
+            "initial_replicas": args.replicas,
+            "max_replicas": args.replicas,
+            "target_ongoing_requests": args.target_ongoing_requests,
         }
     else:
-        options["num_replicas"] = cs.replicas
-    deployment = Stage5Replica.options(**options)  # type: ignore[attr-defined]
-    return deployment.bind({"metrics_port": cs.metrics_port})
+        options["num_replicas"] = args.replicas
+    return Stage5Replica.options(**options).bind()  # type: ignore[attr-defined]
 
 
 # --8<-- [end:deployment]
-
-
-def replica_env() -> dict[str, str]:
-    """The stage settings set in this environment (CACHE_URL, MAX_QUEUE, ...), for every replica."""
-    names = {name.upper() for name in Settings.model_fields}
-    return {name: value for name, value in os.environ.items() if name in names}
 
 
 def _replica_name() -> str:
     import ray
 
     node = ray.get_runtime_context().get_node_id()
-    return f"{serve.get_replica_context().replica_id.unique_id}@{node[:8]}"
+    return f"{serve.get_replica_context().replica_tag}@{node[:8]}"
 
 
 class ServedBy:
@@ -121,43 +140,49 @@ class ServedBy:
         await self.app(scope, receive, send_named)
 
 
-class MetricsPort:
-    """The replica's ``GET /metrics`` on a port of its own, for Prometheus to scrape each replica.
+# --8<-- [start:metrics]
+async def copy_metrics_to_ray(app: Any) -> None:
+    """Every few seconds, stage 5's own ``/metrics`` (read in process) set into Ray gauges of the
+    same names. Ray's agent exports them on the node's metrics port as ``ray_<name>``, tagged with
+    ``deployment`` and ``replica``; deploy/ray/prometheus.yml drops the ``ray_`` again, so stage 5's
+    recording rules read them unchanged (rate() and histogram_quantile() need no counter type)."""
+    gauges: dict[str, Gauge] = {}
+    while True:
+        await asyncio.sleep(METRICS_PERIOD_S)
+        with contextlib.suppress(AttributeError):  # `app` not built yet: Serve builds it after __init__
+            text = await _get(app(), "/metrics")
+            for family in text_string_to_metric_families(text):
+                if not family.name.startswith("embedserve_"):
+                    continue  # process_* and python_*: Ray exports its own for every worker
+                for sample in family.samples:
+                    gauge = gauges.get(sample.name)
+                    if gauge is None:
+                        gauge = gauges[sample.name] = Gauge(
+                            sample.name,
+                            description=family.documentation,
+                            tag_keys=tuple(sample.labels),  # type: ignore[arg-type]  # any length
+                        )
+                    gauge.set(sample.value, tags=sample.labels)
 
-    It serves the replica's own app (same registry, same route), only that path; the address goes
-    into Ray's key-value store under the replica's name and leaves it when the replica stops.
-    """
 
-    def __init__(self, app: ASGIApp, name: str, port: int) -> None:
-        self.app, self.name, self.port = app, name, port
-        self.server: uvicorn.Server | None = None
-        self.task: asyncio.Task[None] | None = None
+async def _get(app: ASGIApp, path: str) -> str:
+    """One GET through the app itself, in this process (no socket, no client library)."""
+    body: list[bytes] = []
 
-    async def _only_metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == "/metrics":
-            return await self.app(scope, receive, send)
-        await error_response(APIError(404, "this port serves only /metrics"))(scope, receive, send)
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
 
-    async def start(self) -> None:
-        import ray
-        from ray.experimental.internal_kv import _internal_kv_put
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            body.append(message.get("body", b""))
 
-        host = ray.util.get_node_ip_address()
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, self.port))  # port 0: any free one; the registry says which
-        config = uvicorn.Config(
-            self._only_metrics, interface="asgi3", lifespan="off", access_log=False, log_config=None
-        )
-        self.server = uvicorn.Server(config)
-        self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
-        target = {"targets": [f"{host}:{sock.getsockname()[1]}"], "labels": {"replica": self.name}}
-        _internal_kv_put(f"metrics/{self.name}", json.dumps(target), namespace=KV_NAMESPACE)
+    scope: Scope = {
+        "type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "query_string": b"",
+        "headers": [], "scheme": "http", "http_version": "1.1", "server": None, "client": None,
+        "root_path": "",
+    }  # fmt: skip
+    await app(scope, receive, send)
+    return b"".join(body).decode()
 
-    async def stop(self) -> None:
-        from ray.experimental.internal_kv import _internal_kv_del
 
-        _internal_kv_del(f"metrics/{self.name}", namespace=KV_NAMESPACE)
-        if self.server is not None and self.task is not None:
-            self.server.should_exit = True
-            await self.task
+# --8<-- [end:metrics]

@@ -1,15 +1,16 @@
 """Start, inspect, break and stop the local two-node cluster (what ``make cluster`` runs).
 
-    python -m deploy.ray.cluster up          # ray start (head, workers), deploy, wait for every replica
+    python -m deploy.ray.cluster up          # ray start (head, workers), serve deploy, Serve's status
     python -m deploy.ray.cluster status      # nodes, replicas, the address
-    python -m deploy.ray.cluster targets     # every replica's /metrics, for Prometheus (file_sd)
     python -m deploy.ray.cluster kill-node   # SIGKILL a worker node: a machine crash
     python -m deploy.ray.cluster add-node    # a worker joins again; Serve puts a replica back
-    python -m deploy.ray.cluster redeploy    # the deployment again with this environment's settings
-    python -m deploy.ray.cluster down        # stop Serve (drain), then every process of the cluster
+    python -m deploy.ray.cluster redeploy    # serve deploy the config file again, nodes kept
+    python -m deploy.ray.cluster down        # stop Serve (drain), then every node
 
-The settings are ``CLUSTER_*`` (``deploy/ray/settings.py``), HOST and PORT, and every stage
-setting (CACHE_URL, MAX_QUEUE, ...), handed to each replica.
+The nodes' settings are ``CLUSTER_*`` (``deploy/ray/settings.py``); the application is the Serve
+config file ``CLUSTER_CONFIG`` (``deploy/ray/serve.yaml``), its proxy on HOST:PORT. Every stage
+setting in this environment (CACHE_URL, MAX_QUEUE, ...) reaches every process of the nodes, the
+replicas included.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import logging
 import os
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -26,11 +28,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
+import yaml
 
 from common.settings import REPO_ROOT, get_settings
 from deploy.ray import nodes
 from deploy.ray.settings import ClusterSettings
+
+APP_NAME = "embedserve"  # the application's name in serve.yaml
+_SERVE = str(Path(sys.executable).with_name("serve"))
 
 
 def node_env() -> dict[str, str]:
@@ -65,161 +70,129 @@ def connected(cs: ClusterSettings) -> Iterator[None]:
 
 # --8<-- [start:up]
 def up(cs: ClusterSettings, timeout: float = 300.0) -> dict[str, Any]:
-    """Start the nodes, deploy stage 5 with one replica per node, wait until every replica answers."""
-    from ray import serve
-
-    from deploy.ray.app import APP_NAME, application
-
-    if nodes.raylets(cs):
+    """Start the nodes, `serve deploy` the config file, wait until Serve reports it RUNNING."""
+    if any(nodes.alive(pid) for pid in read_state(cs).get("nodes", {}).values()):
         raise SystemExit("a cluster is already running here: `make cluster-down` first")
-    settings = get_settings()
     started = time.monotonic()
-    ids = []
+    settings = get_settings()
+    state: dict[str, Any] = {"url": f"http://{settings.host}:{settings.port}", "gcs": nodes.gcs_address(cs)}
+    state["nodes"] = {}  # node id -> pid of its `ray start --block`, the head first
     for i in range(cs.nodes):
         print("$ ray", shlex.join(nodes.ray_start_command(cs, head=i == 0)[1:]), flush=True)
-        ids.append(nodes.start_node(cs, head=i == 0, env=node_env()))
-    print(f"{len(ids)} nodes up in {time.monotonic() - started:.1f} s (head {ids[0][:8]})", flush=True)
+        add_node(cs, state, head=i == 0)
+    print(f"{cs.nodes} nodes up in {time.monotonic() - started:.1f} s", flush=True)
+    deploy(cs)
     with connected(cs):
-        # One proxy, on the head: the single entry point (a worker's loss never takes it away).
-        serve.start(
-            proxy_location="HeadOnly",
-            http_options={
-                "host": settings.host,
-                "port": settings.port,
-                "request_timeout_s": cs.proxy_timeout_s,  # a request queued in the proxy ends too
-            },
-        )
-        serve.run(application(cs, settings), name=APP_NAME, route_prefix="/", blocking=False)
-        url = f"http://{settings.host}:{settings.port}"
-        wait_running(cs.replicas, timeout - (time.monotonic() - started))
-        names = wait_replicas(url, cs.replicas, 60.0)
-    state = {"url": url, "gcs": nodes.gcs_address(cs), "nodes": ids, "replicas": sorted(names)}
-    cs.state_file.parent.mkdir(parents=True, exist_ok=True)
-    cs.state_file.write_text(json.dumps(state, indent=2))
-    print(f"serving on {url}: {len(names)} replicas {sorted(names)} in {time.monotonic() - started:.1f} s")
+        replicas = wait_running(timeout - (time.monotonic() - started))
+    print(f"serving on {state['url']}: {replicas} replicas RUNNING in {time.monotonic() - started:.1f} s")
     if settings.cache_url is None:
         print("CACHE_URL is not set: each replica caches alone (CACHE_URL=redis://... to share one tier)")
     return state
 
 
-# --8<-- [end:up]
+def deploy(cs: ClusterSettings) -> None:
+    """`serve deploy` of the config file, its proxy on HOST:PORT (the head's dashboard takes it)."""
+    settings = get_settings()
+    config = yaml.safe_load(cs.config.read_text())
+    config.setdefault("http_options", {}).update(host=settings.host, port=settings.port)
+    deployed = cs.state_file.with_name("serve.yaml")
+    deployed.write_text(yaml.safe_dump(config, sort_keys=False))
+    command = [_SERVE, "deploy", str(deployed), "--address", nodes.dashboard_address(cs)]
+    print("$ serve", shlex.join(command[1:]), flush=True)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
 
 
-def running_replicas() -> int:
+def wait_running(timeout: float, deployed_after: float = 0.0) -> int:
+    """Until Serve's own status says the application is RUNNING (every replica started, its model
+    loaded and warmed); the number of replicas running."""
     from ray import serve
 
-    from deploy.ray.app import APP_NAME
-
-    app = serve.status().applications.get(APP_NAME)
-    if app is None:
-        return 0
-    return sum(n for d in app.deployments.values() for s, n in d.replica_states.items() if s == "RUNNING")
-
-
-def wait_running(count: int, timeout: float) -> None:
-    """Until Serve reports ``count`` replicas RUNNING (each has loaded and warmed its model)."""
     deadline = time.monotonic() + timeout
-    while running_replicas() < count:
+    while True:
+        app = serve.status().applications.get(APP_NAME)
+        if app is not None and app.last_deployed_time_s > deployed_after:
+            if app.status == "RUNNING":
+                return sum(
+                    n for d in app.deployments.values() for s, n in d.replica_states.items() if s == "RUNNING"
+                )
+            if app.status == "DEPLOY_FAILED":
+                raise RuntimeError(f"serve deploy failed: {app.message}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{running_replicas()} of {count} replicas running after {timeout:.0f} s")
+            raise RuntimeError(f"not RUNNING after {timeout:.0f} s: {app}")
         time.sleep(0.5)
 
 
-def wait_replicas(url: str, count: int, timeout: float) -> set[str]:
-    """Until ``count`` different replicas have answered /ready (the proxy spreads the probes)."""
-    deadline = time.monotonic() + timeout
-    seen: set[str] = set()
-    with httpx.Client(timeout=5.0) as client:
-        while time.monotonic() < deadline:
-            try:
-                r = client.get(f"{url}/ready")
-                if r.status_code == 200 and "x-served-by" in r.headers:
-                    seen.add(r.headers["x-served-by"])
-                    if len(seen) >= count:
-                        return seen
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-    raise RuntimeError(f"only {len(seen)} of {count} replicas answered {url}/ready in {timeout:.0f} s")
+# --8<-- [end:up]
+
+
+def add_node(cs: ClusterSettings, state: dict[str, Any], head: bool = False) -> str:
+    """Start one node, learn its id from Ray (``ray.nodes()``), record both in the state file."""
+    import ray
+
+    logs = cs.state_file.parent / "nodes"
+    pid = nodes.start_node(cs, head, node_env(), logs / f"node-{len(state['nodes'])}.log")
+    with connected(cs):
+        new = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in state["nodes"]]
+    if len(new) != 1:
+        raise RuntimeError(f"expected one new node after `ray start`, Ray lists {new}")
+    state["nodes"][new[0]] = pid
+    cs.state_file.parent.mkdir(parents=True, exist_ok=True)
+    cs.state_file.write_text(json.dumps(state, indent=2))
+    return str(new[0])
 
 
 def redeploy(cs: ClusterSettings, timeout: float = 180.0) -> None:
-    """Deploy again with the settings of this environment (queue, replicas, ...), nodes kept.
-
-    Serve replaces the replicas one by one; the proxy's own options (HOST, PORT,
-    CLUSTER_PROXY_TIMEOUT_S) stay as `up` set them.
-    """
+    """`serve deploy` the config file again (``CLUSTER_CONFIG``): Serve replaces the replicas one by one.
+    The proxy's own options (HOST, PORT, request_timeout_s) stay as `up` set them."""
     from ray import serve
 
-    from deploy.ray.app import APP_NAME, application
-
     with connected(cs):
-        serve.run(application(cs, get_settings()), name=APP_NAME, route_prefix="/", blocking=False)
-        wait_running(cs.replicas, timeout)
-        # the old replicas are gone once only the new count runs
-        deadline = time.monotonic() + timeout
-        while serve.status().applications[APP_NAME].status != "RUNNING" and time.monotonic() < deadline:
-            time.sleep(0.5)
-    print(f"redeployed: {cs.replicas} replicas")
+        before = serve.status().applications[APP_NAME].last_deployed_time_s
+        deploy(cs)
+        print(f"redeployed: {wait_running(timeout, deployed_after=before)} replicas")
 
 
 def down(cs: ClusterSettings) -> int:
-    """Stop Serve first (each replica drains, as on SIGTERM), then every process of the cluster."""
-    if nodes.raylets(cs):
+    """Stop Serve first (each replica drains, as on SIGTERM), then each node, the head last."""
+    state = read_state(cs)
+    pids = [pid for pid in state.get("nodes", {}).values() if nodes.alive(pid)]
+    if pids:
         try:
             from ray import serve
 
             with connected(cs):
                 serve.shutdown()
         except Exception as exc:  # a broken cluster is still stopped below
-            print(f"serve.shutdown failed ({exc}); killing the processes", file=sys.stderr)
-    killed = nodes.stop_all(cs)
+            print(f"serve.shutdown failed ({exc}); stopping the nodes", file=sys.stderr)
+    for pid in reversed(pids):  # the workers, then the head (their GCS)
+        nodes.stop_node(pid)
     cs.state_file.unlink(missing_ok=True)
-    targets_file(cs).unlink(missing_ok=True)
-    print(f"cluster down: {killed} processes stopped")
-    return killed
+    print(f"cluster down: {len(pids)} nodes stopped")
+    return len(pids)
 
 
-def targets(cs: ClusterSettings) -> list[dict[str, Any]]:
-    """Every live replica's /metrics address, written as a Prometheus file_sd file."""
-    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
-
-    from deploy.ray.app import KV_NAMESPACE
-
-    with connected(cs):
-        keys = _internal_kv_list("metrics/", namespace=KV_NAMESPACE)
-        found = [json.loads(_internal_kv_get(k, namespace=KV_NAMESPACE) or b"{}") for k in keys]
-    live = [t for t in found if t and _answers(f"http://{t['targets'][0]}/metrics")]
-    targets_file(cs).parent.mkdir(parents=True, exist_ok=True)
-    targets_file(cs).write_text(json.dumps(live, indent=2))
-    return live
-
-
-def targets_file(cs: ClusterSettings) -> Path:
-    """Prometheus' file_sd list of replicas, beside the state file (deploy/ray/prometheus.yml reads it)."""
-    return cs.state_file.with_name("targets.json")
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2.0).status_code < 500
-    except httpx.TransportError:
-        return False  # a replica of a killed node: its key outlived it
+def read_state(cs: ClusterSettings) -> dict[str, Any]:
+    return json.loads(cs.state_file.read_text()) if cs.state_file.exists() else {}
 
 
 def status(cs: ClusterSettings) -> dict[str, Any]:
-    state = json.loads(cs.state_file.read_text()) if cs.state_file.exists() else {}
-    live = nodes.raylets(cs)
-    out = {**state, "live_nodes": sorted(live), "head": state.get("nodes", [None])[0]}
+    state = read_state(cs)
+    ids = list(state.get("nodes", {}))
+    live = [n for n, pid in state.get("nodes", {}).items() if nodes.alive(pid)]
+    out = {**state, "live_nodes": live, "head": ids[0] if ids else None}
     if live:
+        from ray import serve
+
         with connected(cs):
-            out["replicas_running"] = running_replicas()
+            app = serve.status().applications.get(APP_NAME)
+            out["application"] = app.status if app else None
+            out["replicas"] = {n: d.replica_states for n, d in app.deployments.items()} if app else {}
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    commands = ["up", "down", "status", "targets", "kill-node", "add-node", "redeploy"]
+    commands = ["up", "down", "status", "kill-node", "add-node", "redeploy"]
     parser.add_argument("command", choices=commands)
     args = parser.parse_args(argv)
     cs = ClusterSettings()
@@ -229,27 +202,25 @@ def main(argv: list[str] | None = None) -> None:
         except BaseException:
             print("the cluster did not come up; `make cluster-down` stops what started", file=sys.stderr)
             raise
-        print(f"{len(targets(cs))} replica /metrics written to {_rel(targets_file(cs))}")
+        sd = cs.temp_dir / "prom_metrics_service_discovery.json"
+        print(f"Prometheus finds every node's metrics in {sd} (deploy/ray/prometheus.yml)")
     elif args.command == "down":
         down(cs)
     elif args.command == "status":
         print(json.dumps(status(cs), indent=2))
-    elif args.command == "targets":
-        print(json.dumps(targets(cs), indent=2))
     elif args.command == "kill-node":
-        head = status(cs)["head"]
-        workers = [n for n in nodes.raylets(cs) if n != head]
+        state = read_state(cs)
+        workers = [(n, pid) for n, pid in list(state.get("nodes", {}).items())[1:] if nodes.alive(pid)]
         if not workers:
             raise SystemExit("no worker node is running")
-        print(f"killed node {workers[0][:8]}: {nodes.kill_node(cs, workers[0])} processes (SIGKILL)")
+        node, pid = workers[0]
+        replicas = nodes.node_workers(cs, node)
+        nodes.kill_node(pid, replicas)
+        print(f"killed node {node[:8]}: SIGKILL to its `ray start` (pid {pid}) and its workers {replicas}")
     elif args.command == "redeploy":
         redeploy(cs)
     elif args.command == "add-node":
-        print(f"node {nodes.start_node(cs, head=False, env=node_env())[:8]} joined")
-
-
-def _rel(path: Path) -> str:
-    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+        print(f"node {add_node(cs, read_state(cs))[:8]} joined")
 
 
 if __name__ == "__main__":
