@@ -245,7 +245,11 @@ def test_make_loadtest_headless_writes_csv_and_json(tmp_path: Path) -> None:
     ask = [sys.executable, "-c", code, str(raw)]
     locust = subprocess.run(ask, capture_output=True, text=True, check=True)
     assert [summary[f"p{q}_ms"] for q in (50, 95, 99)] == json.loads(locust.stdout)
-    assert 0 < summary["p50_ms"] <= summary["p99_ms"] <= summary["max_ms"]
+    # Locust keeps a time of 100 ms or more rounded to two significant digits (126.2 ms is 130),
+    # so its p99 may sit above the exact maximum by that rounding, never by more
+    top = summary["max_ms"]
+    binned = round(top) if top < 100 else round(top, -len(str(int(top))) + 2)
+    assert 0 < summary["p50_ms"] <= summary["p99_ms"] <= binned, (summary["p99_ms"], top)
 
 
 def test_headless_against_a_running_server_measures_its_cpu(stage_url: str, tmp_path: Path) -> None:
