@@ -262,14 +262,6 @@ def markdown(result: dict[str, Any]) -> str:
     return page(result["stamp"], {"capacity": capacity_table, "flood": flood_table}, note) + "\n"
 
 
-def headline(result: dict[str, Any]) -> dict[str, float]:
-    out = {}
-    for name, r in result["setups"].items():
-        out[f"{name} req/s"] = r["capacity"]["requests_per_s"]
-        out[f"{name} flood goodput (send again at once)"] = r["flood"][0]["goodput_per_s"]
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -283,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.duration = args.duration or (4.0 if args.quick else 15.0)
     result = {"stamp": {}, **measure(args, run)}
     result["stamp"] = run.stamp(SERVER_ENV)
-    evidence.publish(run, args.out, "beyond", result, markdown, headline)
+    evidence.publish(run, "beyond", result, markdown, args.out)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import orjson
 from common import corpus
 from loadtests import evidence
 from loadtests.delay_relay import relay
-from loadtests.harness import Answer, post_bodies
+from loadtests.load import Answer, post_bodies
 from loadtests.procs import StageProcess, redis_server, running_stage
 from loadtests.tables import num, page, table
 
@@ -174,15 +174,6 @@ def markdown(r: dict[str, Any]) -> str:
     return page(r["stamp"], sections) + "\n"
 
 
-def headline(r: dict[str, Any]) -> dict[str, float]:
-    far = {row["client"]: row for row in r["rows"] if row["tls"] and row["rtt_ms"] == max(RTTS_MS)}
-    return {
-        "per-command hit p50 ms, TLS, 30 ms": far["per-command"]["hit_ms"],
-        "pooled hit p50 ms, TLS, 30 ms": far["pooled"]["hit_ms"],
-        "no cache p50 ms": r["no_cache_ms"],
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -194,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     run = evidence.start("benchmarks.cache_distance", args, argv)
     result = measure(args.requests or (20 if args.quick else 60))
     result["stamp"] = run.stamp(RUN_SETTINGS)
-    evidence.publish(run, args.out, "cache_distance", result, markdown, headline)
+    evidence.publish(run, "cache_distance", result, markdown, args.out)
 
 
 if __name__ == "__main__":

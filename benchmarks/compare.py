@@ -43,7 +43,7 @@ from common import corpus
 from common.engine import Engine
 from common.serve import STAGES, available_stages, resolve
 from common.settings import Settings
-from loadtests import evidence, harness
+from loadtests import evidence, harness, load
 from loadtests.evidence import save_figure
 from loadtests.harness import COMPARE_ENV, COMPARE_WITHOUT, PROFILES, Profile
 from loadtests.procs import free_port, running_stage
@@ -209,7 +209,7 @@ def run_stage(
         answered = harness.warm_up(url, args.warmup)
         print(f"{stage}: warm-up answered {answered} requests in {args.warmup:g} s", flush=True)
         for profile in profiles:
-            settled = harness.settle(server.pid, url)
+            settled = load.settle(server.pid, url)
             # The same seed for the same profile in every stage: each stage gets the same texts.
             point = harness.run_point(
                 stage,
@@ -379,13 +379,6 @@ def plots(result: dict[str, Any], folder: Path) -> list[Path]:
     return written
 
 
-def headline(result: dict[str, Any]) -> dict[str, float]:
-    """The figures a reader's run is compared with: unique-32 per stage, and the engine alone."""
-    out = {f"{p['stage']} unique-32 req/s": p["rps"] for p in result["points"] if p["profile"] == "unique-32"}
-    out["engine alone, sentences, texts/s"] = result["engine_ceiling"]["sentence"]["texts_per_s"]
-    return out
-
-
 # --- --against: two commits in turns (before_after.json) -------------------------------
 
 
@@ -494,14 +487,6 @@ def against_markdown(result: dict[str, Any]) -> str:
     )
 
 
-def against_headline(result: dict[str, Any]) -> dict[str, float]:
-    return {
-        f"{stage_label(r['stage'])} {r['profile']}: after / before": r["ratio"]
-        for r in result["summary"]
-        if r["ratio"] is not None and r["profile"] == "unique-32"
-    }
-
-
 def against(
     args: argparse.Namespace, run: evidence.Run, profiles: list[Profile], wanted: Sequence[str]
 ) -> dict[str, Any]:
@@ -526,7 +511,7 @@ def against(
         "points": points,
         "summary": summarize(points, stages, names),
     }
-    evidence.publish(run, args.out, "before_after", result, against_markdown, against_headline)
+    evidence.publish(run, "before_after", result, against_markdown, args.out)
     return result
 
 
@@ -588,7 +573,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         *plots(result, img),
     ]
     print("wrote " + ", ".join(str(p) for p in written), flush=True)
-    evidence.against_reference(run, "compare.json", result, headline)
     return result
 
 

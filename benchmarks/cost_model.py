@@ -48,8 +48,8 @@ from common import corpus
 from common.engine import Engine
 from common.serve import STAGES  # every server stage, in order
 from common.settings import Settings
-from loadtests import evidence, wrk
-from loadtests.harness import process_cpu, settle
+from loadtests import evidence, load
+from loadtests.load import process_cpu, settle
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, stage_label, table
 
@@ -142,10 +142,10 @@ def http_constants(seconds: float, warmup: float, logs: Path) -> dict[str, dict[
     with running_stage(NULL_STAGE, logs) as server:
         for connections in CONNECTIONS:
             settle(server.pid, server.url)
-            wrk.run(server.url, bodies[::-1], connections, warmup)  # warm-up on other texts
+            load.wrk(server.url, bodies[::-1], connections, warmup)  # warm-up on other texts
             process = psutil.Process(server.pid)
             cpu, client = process_cpu(process), _children_cpu()
-            point = wrk.run(server.url, bodies, connections, measured_s)
+            point = load.wrk(server.url, bodies, connections, measured_s)
             served = point["requests_per_s"] * measured_s
             out[str(connections)] = {
                 "requests_per_s": point["requests_per_s"],
@@ -313,15 +313,6 @@ def markdown(result: dict[str, Any]) -> str:
     ) + "\n"  # fmt: skip
 
 
-def headline(result: dict[str, Any]) -> dict[str, float]:
-    c = result["constants"]
-    return {
-        "model ms, 1 text, 1 thread": c["model_ms"],
-        "a text in a batch, ms": c["per_text_in_batch_ms"],
-        "HTTP server CPU ms per request": c["http"]["32"]["server_cpu_ms"],
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -353,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "cores_until_the_loop_limits": round(cores_until_the_loop_limits(constants), 2),
     }
     result["stamp"] = run.stamp()
-    evidence.publish(run, out, "cost_model", result, markdown, headline)
+    evidence.publish(run, "cost_model", result, markdown, out)
 
 
 if __name__ == "__main__":

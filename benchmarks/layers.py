@@ -45,8 +45,8 @@ from common import corpus
 from common.engine import Engine
 from common.serve import STAGES
 from common.settings import Settings
-from loadtests import evidence, wrk
-from loadtests.harness import process_cpu, settle
+from loadtests import evidence, load
+from loadtests.load import process_cpu, settle
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, stage_label, table
 
@@ -70,10 +70,10 @@ def _slots_busy(url: str) -> dict[str, float]:
 def measure_point(server: Any, clients: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     """One measured interval after a warm-up: throughput, latency, the server's CPU, slot use."""
     bodies = bodies_for("sentence", 60_000 if clients > 1 else 10_000, seed=seed)  # never seen before
-    wrk.run(server.url, bodies[::-1], clients, args.warmup)  # warm-up on other texts
+    load.wrk(server.url, bodies[::-1], clients, args.warmup)  # warm-up on other texts
     process = psutil.Process(server.pid)
     cpu, loop, busy = process_cpu(process), _loop_cpu(process), _slots_busy(server.url)
-    point = wrk.run(server.url, bodies, clients, args.duration)
+    point = load.wrk(server.url, bodies, clients, args.duration)
     cpu, loop = process_cpu(process) - cpu, _loop_cpu(process) - loop
     point["server_cores"] = round(cpu / args.duration, 2)
     answered = point["requests_per_s"] * args.duration
@@ -234,14 +234,6 @@ def markdown(result: dict[str, Any]) -> str:
     return page(result["stamp"], sections, note) + "\n"
 
 
-def headline(result: dict[str, Any]) -> dict[str, float]:
-    out = {}
-    for n, row in result["summary"].items():
-        for stage in result["stages"]:
-            out[f"{n} connections: {stage_label(stage)} req/s"] = row[stage]["requests_per_s"]
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -266,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.ceiling_seconds = args.ceiling_seconds or (0.3 if args.quick else 2.0)
     result = {"stamp": {}, **measure(args)}
     result["stamp"] = run.stamp()
-    evidence.publish(run, args.out, "layers", result, markdown, headline)
+    evidence.publish(run, "layers", result, markdown, args.out)
 
 
 if __name__ == "__main__":

@@ -97,14 +97,6 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def headline(report: dict[str, Any]) -> dict[str, float]:
-    by_name = {r["name"]: r for r in report["variants"]}
-    return {
-        f"{name} texts per CPU-second, batch 32": by_name[name]["texts_per_cpu_s_b32"]
-        for name in ("fp32", "int8-dynamic", "int8-static")
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -129,7 +121,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     print(f"decision: {report['decision']}")
     print("wrote " + ", ".join(str(p) for p in written))
-    evidence.against_reference(run, "quantization.json", report, headline)
     return 0
 
 

@@ -72,16 +72,6 @@ def _difference(value: float | None) -> str:
     return "0 (identical)" if value == 0 else f"{value:.1e}"
 
 
-def headline(result: dict[str, Any]) -> dict[str, float]:
-    out = {}
-    for r in result["variants"]:
-        out[f"{r['variant']} items/s at batch 32"] = r["items_per_s"]["32"]
-        out[f"{r['variant']} p50 ms, one text"] = r["latency_ms_batch1"]["p50"]
-        if "one_thread" in r:
-            out[f"{r['variant']} texts/CPU-s, batch 16, 1 thread"] = r["one_thread"]["texts_per_cpu_s_b16"]
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -94,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     seconds = args.seconds or (0.2 if args.quick else 2.0)
     result = {"stamp": {}, **measure(seconds)}
     result["stamp"] = run.stamp()
-    evidence.publish(run, args.out, "stage0", result, markdown, headline)
+    evidence.publish(run, "stage0", result, markdown, args.out)
     return 0
 
 

@@ -30,8 +30,8 @@ import orjson
 from common import corpus
 from common.settings import Settings
 from loadtests import evidence
-from loadtests.harness import settle
 from loadtests.httpload import post_requests, run_load
+from loadtests.load import settle
 from loadtests.procs import running_stage
 from loadtests.tables import page, table
 
@@ -184,12 +184,6 @@ def markdown(result: dict[str, Any]) -> str:
     return page(result["stamp"], {"table": table(head, rows), "best": [best_line]}, note)
 
 
-def headline(result: dict[str, Any]) -> dict[str, float]:
-    return {
-        f"best combination, {p['clients']} clients, req/s": p["requests_per_s"] for p in result["best_points"]
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per point and round")
@@ -217,7 +211,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         plot(result, img / "stage2_threads.png"),
     ]
     print(json.dumps(result["best"]), "->", ", ".join(str(p) for p in written))
-    evidence.against_reference(run, "stage2_threads.json", result, headline)
 
 
 if __name__ == "__main__":

@@ -47,9 +47,10 @@ from benchmarks.compare import engine_ceiling
 from common import corpus
 from common.engine import Engine
 from common.settings import Settings
-from loadtests import evidence, wrk
+from loadtests import evidence
+from loadtests import load as loading
 from loadtests.evidence import save_figure
-from loadtests.harness import settle
+from loadtests.load import settle
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, table
 from stage3_batching.app import RefinedBatcher
@@ -64,8 +65,8 @@ TIERS = ("low", "medium", "high")
 def load(url: str, bodies: list[bytes], clients: int, seconds: float, warmup: float) -> dict[str, Any]:
     """Requests/s and latency percentiles of ``clients`` wrk connections over ``seconds``, after
     ``warmup`` seconds of the same load on other texts."""
-    wrk.run(url, bodies[::-1], clients, warmup)
-    point = wrk.run(url, bodies, clients, seconds)
+    loading.wrk(url, bodies[::-1], clients, warmup)
+    point = loading.wrk(url, bodies, clients, seconds)
     errors = point.pop("socket_errors") + round(point.pop("non_2xx_per_s") * max(1, round(seconds)))
     return {"clients": point.pop("connections"), **point, "errors": errors}
 
@@ -384,15 +385,6 @@ def plot(out: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def headline(out: dict[str, Any]) -> dict[str, float]:
-    pick = {(p["stage"], p["clients"]): p["requests_per_s"] for p in out["targets"]}
-    return {
-        "engine alone, texts/s": out["engine"]["texts_per_s"],
-        "stage 2, 32 clients, req/s": pick[("stage2_threadpool", 32)],
-        "stage 3, 32 clients, req/s": pick[("stage3_batching", 32)],
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -419,7 +411,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     plot(out, img / "stage3_sweep.png")
     print(json.dumps(out["summary"], indent=2))
     print(f"wrote {folder}/stage3_sweep.json, {folder}/stage3.md and {img}/stage3_sweep.png")
-    evidence.against_reference(run, "stage3_sweep.json", out, headline)
 
 
 if __name__ == "__main__":

@@ -40,8 +40,8 @@ import psutil
 
 from benchmarks.stage3 import bodies_for
 from common import corpus
-from loadtests import evidence, wrk
-from loadtests.harness import Answer, post_bodies, process_cpu, settle
+from loadtests import evidence, load
+from loadtests.load import Answer, post_bodies, process_cpu, settle
 from loadtests.procs import StageProcess, any_redis, running_stage
 from loadtests.tables import num, page, table
 
@@ -163,7 +163,7 @@ def _wrk(server: StageProcess, clients: int, seconds: float, seed: int, polite: 
     """``clients`` wrk connections for ``seconds``: 200s/s, refusals/s and the server's cores."""
     process = psutil.Process(server.pid)
     cpu, started = process_cpu(process), time.perf_counter()
-    out = wrk.run(
+    out = load.wrk(
         server.url, bodies_for("sentence", 60_000, seed), clients, seconds, honour_retry_after=polite
     )
     cores = (process_cpu(process) - cpu) / (time.perf_counter() - started)
@@ -177,12 +177,12 @@ def flood(
     points: list[dict[str, Any]] = []
     for round_ in range(rounds):
         with _stage(S4) as server:
-            wrk.run(server.url, bodies_for("sentence", 20_000, 7000 + round_), 32, warmup)
+            load.wrk(server.url, bodies_for("sentence", 20_000, 7000 + round_), 32, warmup)
             settle(server.pid, server.url)
             points.append({"kind": "capacity", **_wrk(server, 32, seconds, 7100 + round_, False)})
         for delay in delays:
             with _stage(S4, {**FLOOD, "SHED_DELAY_MS": f"{delay:g}"}) as server:
-                wrk.run(server.url, bodies_for("sentence", 20_000, 7200 + round_), 32, warmup)
+                load.wrk(server.url, bodies_for("sentence", 20_000, 7200 + round_), 32, warmup)
                 for kind, polite in (("honour", True), ("resend", False)):
                     settle(server.pid, server.url)
                     point = _wrk(server, clients, seconds, 7300 + 10 * round_ + polite, polite)
@@ -270,15 +270,6 @@ def _flood_section(f: dict[str, Any]) -> list[str]:
     ]  # fmt: skip
 
 
-def headline(r: dict[str, Any]) -> dict[str, float]:
-    return {
-        "memory-tier hit p50 ms": r["tiers"]["memory_hit"]["p50_ms"],
-        "Redis-tier hit p50 ms": r["tiers"]["redis_hit"]["p50_ms"],
-        "repeated texts: stage 4 req/s": r["repeated"][S4]["median_round"]["rps"],
-        "flood capacity req/s": r["flood"]["capacity_per_s"],
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -308,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         200, (0.0, 50.0, 200.0), seconds, 1.0 if args.quick else 2.0, 1 if args.quick else 2
     )
     result["stamp"] = run.stamp()
-    evidence.publish(run, args.out, "stage4", result, markdown, headline)
+    evidence.publish(run, "stage4", result, markdown, args.out)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import orjson
 
 from common import corpus
 from loadtests import evidence, tables
-from loadtests.harness import post_bodies
+from loadtests.load import post_bodies
 from loadtests.procs import running_stage
 
 CHROMIUM = "/usr/bin/chromium"

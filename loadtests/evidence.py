@@ -402,70 +402,19 @@ def describe(stamp: dict[str, Any]) -> str:
     return text
 
 
-# --- a reader's figures beside the committed ones ----------------------------------------
-def _shown(path: Path) -> str:
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
-
-
-def _figure(x: float) -> str:
-    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
-
-
-Headline = Callable[[dict[str, Any]], dict[str, float]]
-
-
-def against_reference(
-    run: Run, filename: str, result: dict[str, Any], headline: Headline, reference_dir: Path = RESULTS
-) -> list[tuple[str, float, float, float]]:
-    """Print this run's headline figures beside those of the committed results file, as ratios.
-
-    Returns (figure, reference, yours, ratio) rows; nothing when there is no usable reference.
-    """
-    from tabulate import tabulate
-
-    path = reference_dir / filename
-    if not path.is_file() or (run.record and reference_dir == run.results_dir):
-        return []
-    try:
-        reference = json.loads(path.read_text())
-        theirs, mine = headline(reference), headline(result)
-    except (ValueError, KeyError, TypeError, IndexError, ZeroDivisionError):
-        print(f"(no comparison: {_shown(path)} is in another format)", flush=True)
-        return []
-    rows = [(k, theirs[k], mine[k], mine[k] / theirs[k]) for k in mine if theirs.get(k)]
-    if not rows:
-        return []
-    stamp = reference.get("stamp") or {}
-    m = stamp.get("machine") or reference.get("machine") or {}
-    print(
-        f"\nyour machine against the reference in {_shown(path)}"
-        f" ({m.get('cpu_model') or m.get('cpu', '?')}, {str(stamp.get('date', '?'))[:10]}):",
-        flush=True,
-    )
-    table = [(k, _figure(a), _figure(b), f"{r:.2f}x") for k, a, b, r in rows]
-    print(tabulate(table, headers=["figure", "reference", "yours", "yours / reference"],
-                   disable_numparse=True, colalign=("left", "right", "right", "right")))  # fmt: skip
-    print("(above 1: more of a rate, or a longer time, than the reference)", flush=True)
-    if run.quick:
-        print("(a QUICK run: the ratios are rough)", flush=True)
-    return rows
-
-
+# --- publishing ------------------------------------------------------------------------
 def publish(
     run: Run,
-    out: Path | None,
     name: str,
     result: dict[str, Any],
     markdown: Callable[[dict[str, Any]], str],
-    headline: Headline,
+    out: Path | None = None,
 ) -> Path:
-    """Write ``name``.json and ``name``.md (into ``out``, else the run's results folder), print the
-    page, and the reader's figures against the committed reference."""
+    """Write ``name``.json and ``name``.md (into ``out``, else the run's results folder); print the page."""
     folder = out or run.results_dir
     text = markdown(result)
     write_json(folder / f"{name}.json", result)
     write_text(folder / f"{name}.md", text)
     print(text)
     print(f"wrote {folder / name}.json and .md")
-    against_reference(run, f"{name}.json", result, headline)
     return folder

@@ -8,7 +8,6 @@ the standard library with gevent on import, and this process also starts servers
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import os
@@ -17,17 +16,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import psutil
 
 from common import corpus
-from loadtests.procs import answers, wait_until
+from loadtests.load import post_bodies, process_cpu
 
 REPO = Path(__file__).resolve().parent.parent
 LOCUSTFILE = REPO / "loadtests" / "locustfile.py"
@@ -78,47 +75,6 @@ def _auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-@dataclass
-class Answer:
-    status: int  # 0: no answer (refused, reset, timed out)
-    ms: float
-    headers: dict[str, str]
-
-
-async def post_bodies(
-    url: str,
-    bodies: Sequence[bytes],
-    clients: int,
-    *,
-    seconds: float | None = None,
-    keep_alive: bool = True,
-    headers: Mapping[str, str] | None = None,
-) -> list[Answer]:
-    """``clients`` closed-loop clients POSTing ``bodies`` to /v1/embed through httpx: each body
-    once, or round and round for ``seconds``. ``keep_alive=False``: a new connection per request."""
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients if keep_alive else 0)
-    until = time.perf_counter() + seconds if seconds is not None else None
-    todo = itertools.cycle(bodies) if until is not None else iter(bodies)  # shared by the clients
-    answers: list[Answer] = []
-    sent = {"content-type": "application/json", **(headers or {})}
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=300, headers=sent) as client:
-
-        async def one_client() -> None:
-            for body in todo:
-                if until is not None and time.perf_counter() >= until:
-                    return
-                started = time.perf_counter()
-                try:
-                    r = await client.post("/v1/embed", content=body)
-                    status, got = r.status_code, dict(r.headers)
-                except httpx.HTTPError:
-                    status, got = 0, {}
-                answers.append(Answer(status, (time.perf_counter() - started) * 1e3, got))
-
-        await asyncio.gather(*(one_client() for _ in range(clients)))
-    return answers
-
-
 def warm_up(url: str, seconds: float, clients: int = 4) -> int:
     """Send unique mixed-length texts from a few clients for ``seconds``; returns how many were answered."""
     texts = corpus.texts(max(200, int(seconds * 400)), seed=WARMUP_SEED, kind="mixed")
@@ -127,44 +83,12 @@ def warm_up(url: str, seconds: float, clients: int = 4) -> int:
     return sum(a.status == 200 for a in answers)
 
 
-def process_cpu(process: psutil.Process) -> float:
-    """CPU seconds of a process and its children (uvicorn runs one process; be safe anyway)."""
-    total = 0.0
-    try:
-        children = process.children(recursive=True)
-    except psutil.NoSuchProcess:
-        children = []
-    for p in [process, *children]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def busy_cpu() -> float:
     """CPU seconds the whole machine has spent busy since boot (all cores)."""
     t = psutil.cpu_times()
     # Linux counts guest time inside user time already; steal (another VM on the host) stays in.
     counted_twice = getattr(t, "guest", 0.0) + getattr(t, "guest_nice", 0.0)
     return float(sum(t) - t.idle - getattr(t, "iowait", 0.0) - counted_twice)
-
-
-def settle(pid: int, url: str, idle_cores: float = 0.15, max_s: float = 60.0) -> float:
-    """Wait until the server answers /health and is idle: the previous run's backlog is gone.
-    Returns the seconds it took (``max_s`` at most: a server still busy then is measured anyway)."""
-    process = psutil.Process(pid)
-
-    def idle() -> bool:
-        before = process_cpu(process)
-        time.sleep(0.5)  # the window the server's CPU is read over
-        return (process_cpu(process) - before) / 0.5 < idle_cores and answers(f"{url}/health", timeout=2.0)
-
-    start = time.monotonic()
-    with contextlib.suppress(TimeoutError):
-        wait_until(idle, max_s, every=0)
-    return time.monotonic() - start
 
 
 class CpuSampler:

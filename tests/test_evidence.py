@@ -133,23 +133,6 @@ def test_pages_and_pictures_carry_the_provenance(tmp_path: Path) -> None:
     assert evidence.read_png_provenance(tmp_path / "shot.png") == evidence.provenance(stamp)
 
 
-def test_a_readers_figures_are_compared_with_the_reference(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    reference = {"stamp": _fresh_stamp(), "rps": 200.0}
-    (tmp_path / "x.json").write_text(json.dumps(reference))
-    run = evidence.Run("benchmarks.example", [])
-
-    def headline(result: dict[str, float]) -> dict[str, float]:
-        return {"req/s": result["rps"]}
-
-    rows = evidence.against_reference(run, "x.json", {"rps": 164.0}, headline, tmp_path)
-    assert rows == [("req/s", 200.0, 164.0, 0.82)]
-    assert "0.82x" in capsys.readouterr().out
-    assert evidence.against_reference(run, "x.json", {"other": 1}, headline, tmp_path) == []  # another format
-    assert evidence.against_reference(run, "missing.json", {"rps": 1.0}, headline, tmp_path) == []
-
-
 # --- staleness ---------------------------------------------------------------------------
 def test_stamp_problems_name_every_reason() -> None:
     now = evidence.defaults()

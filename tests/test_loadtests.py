@@ -23,8 +23,9 @@ import pytest
 from benchmarks import layers
 from benchmarks.compare import add_ratios
 from common.serve import available_stages
-from loadtests import wrk
-from loadtests.harness import Profile, classify_failures, post_bodies
+from loadtests import load
+from loadtests.harness import Profile, classify_failures
+from loadtests.load import post_bodies
 from tests.conftest import REPO, free_port
 
 USER_CLASSES = (
@@ -390,7 +391,7 @@ WRK_REPORT = """Running 2s test @ http://127.0.0.1:8000
 
 
 def test_wrk_report_is_read_with_seconds_and_errors() -> None:
-    point = wrk.parse(WRK_REPORT, 128, 2)
+    point = load.parse(WRK_REPORT, 128, 2)
     assert point["p50_ms"] == 596.16 and point["p99_ms"] == 1020.0  # "1.02s " ends in a pad
     assert point["requests_per_s"] == 300.0 and point["non_2xx_per_s"] == 15.0
     assert point["socket_errors"] == 3

@@ -61,10 +61,6 @@ def markdown(data: dict[str, Any]) -> str:
     return page(data["stamp"], {"bench": bench})
 
 
-def headline(data: dict[str, Any]) -> dict[str, float]:
-    return {f"{b['name']} median µs": b["stats"]["median"] * 1e6 for b in data["benchmarks"]}
-
-
 def pytest_command(raw: Path, quick: bool, compare: bool, extra: Sequence[str]) -> list[str]:
     # fmt: off
     return [
@@ -98,7 +94,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     evidence.write_json(out / "bench.json", data, indent=1)
     evidence.write_text(out / "bench.md", markdown(data))
     print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
-    evidence.against_reference(run, "bench.json", data, headline)
     return 0
 
 

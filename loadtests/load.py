@@ -1,4 +1,9 @@
-"""``wrk``, the C load generator, driven from Python: closed loop, one new body per request.
+"""How the kit loads a server: ``wrk`` where throughput counts, httpx where each answer matters.
+
+``wrk``, the C load generator, is the kit's one scripted load generator beside Locust: closed
+loop, one new body per request (``wrk``). ``post_bodies`` sends through httpx from a few
+clients and keeps each answer's status, time and headers (``x-cache``, ``x-batch-size``), for the
+experiments that read them. ``settle`` waits between points until the server is idle again.
 
 On a 2-core machine the load generator shares the cores with the server; ``wrk`` (one thread,
 epoll, C) costs a small fraction of what a Python client does, so the server's own ceiling shows.
@@ -6,20 +11,30 @@ Each connection sends its next request the moment an answer arrives, 200 or 503 
 naive client or a load test does), or, with ``honour_retry_after``, waits a refusal's Retry-After
 (what a polite one does).
 
-Bodies come from a file, one JSON body per line, cycled through by a small Lua script.
+wrk's bodies come from a file, one JSON body per line, cycled through by a small Lua script.
 ``make tools`` installs Debian's package when it is missing.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import math
 import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
+import psutil
+
+from loadtests.procs import answers, wait_until
 
 SCRIPT = """
 local bodies, i = {}, 0
@@ -60,7 +75,7 @@ def _ms(text: str) -> float:
     return float(value) * _UNITS[unit]
 
 
-def run(
+def wrk(
     url: str,
     bodies: Sequence[bytes],
     connections: int,
@@ -108,3 +123,74 @@ def parse(out: str, connections: int, seconds: float) -> dict[str, Any]:
         "p50_ms": latency.get("50"),
         "p99_ms": latency.get("99"),
     }
+
+
+# --- httpx: every answer's status, time and headers ----------------------------------------
+@dataclass
+class Answer:
+    status: int  # 0: no answer (refused, reset, timed out)
+    ms: float
+    headers: dict[str, str]
+
+
+async def post_bodies(
+    url: str,
+    bodies: Sequence[bytes],
+    clients: int,
+    *,
+    seconds: float | None = None,
+    keep_alive: bool = True,
+    headers: Mapping[str, str] | None = None,
+    path: str = "/v1/embed",
+) -> list[Answer]:
+    """``clients`` closed-loop clients POSTing ``bodies`` to ``path``: each body once, or round and
+    round for ``seconds``. ``keep_alive=False``: a new connection per request."""
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients if keep_alive else 0)
+    until = time.perf_counter() + seconds if seconds is not None else None
+    todo = itertools.cycle(bodies) if until is not None else iter(bodies)  # shared by the clients
+    got: list[Answer] = []
+    sent = {"content-type": "application/json", **(headers or {})}
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=300, headers=sent) as client:
+
+        async def one_client() -> None:
+            for body in todo:
+                if until is not None and time.perf_counter() >= until:
+                    return
+                started = time.perf_counter()
+                try:
+                    r = await client.post(path, content=body)
+                    status, answer_headers = r.status_code, dict(r.headers)
+                except httpx.HTTPError:
+                    status, answer_headers = 0, {}
+                got.append(Answer(status, (time.perf_counter() - started) * 1e3, answer_headers))
+
+        await asyncio.gather(*(one_client() for _ in range(clients)))
+    return got
+
+
+# --- between points ----------------------------------------------------------------------
+def process_cpu(process: psutil.Process) -> float:
+    """CPU seconds of a process and its children."""
+    total = 0.0
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for p in [process, *process.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = p.cpu_times()
+                total += t.user + t.system
+    return total
+
+
+def settle(pid: int, url: str, idle_cores: float = 0.15, max_s: float = 60.0) -> float:
+    """Wait until the server answers /health and is idle: the previous point's backlog is gone.
+    Returns the seconds it took (``max_s`` at most: a server still busy then is measured anyway)."""
+    process = psutil.Process(pid)
+
+    def idle() -> bool:
+        before = process_cpu(process)
+        time.sleep(0.5)  # the window the server's CPU is read over
+        return (process_cpu(process) - before) / 0.5 < idle_cores and answers(f"{url}/health", timeout=2.0)
+
+    start = time.monotonic()
+    with contextlib.suppress(TimeoutError):
+        wait_until(idle, max_s, every=0)
+    return time.monotonic() - start
