@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 from locust import FastHttpUser, between, constant, events, task
 
 from common import corpus
@@ -83,6 +84,13 @@ def _options(parser: Any) -> None:
         default=next((k.strip() for k in os.environ.get("API_KEY", "").split(",") if k.strip()), ""),
         include_in_web_ui=False,
         help="Bearer key for a server started with API_KEY (default: the first key in $API_KEY).",
+    )
+    parser.add_argument(
+        "--server-pid",
+        type=int,
+        default=0,
+        include_in_web_ui=False,
+        help="The server's process id: the run report counts its CPU over the measured window.",
     )
     parser.add_argument(
         "--run-report",
@@ -198,15 +206,31 @@ class ThinkingUser(_EmbedUser):
 # --8<-- [end:users]
 
 
-# --- the load generator's own CPU, in the window Locust measures ---------------
+# --- the run report: the measured window, the load generator's CPU and the server's -----------
 _window: dict[str, float] = {}
 PERCENTILES = (0.50, 0.95, 0.99)  # the run report carries these from Locust's stats
+
+
+def _server_cpu(pid: int) -> float | None:
+    """CPU seconds of the server process named by --server-pid (None when none is named or visible)."""
+    try:
+        times = psutil.Process(pid).cpu_times() if pid else None
+    except psutil.Error:
+        return None
+    return None if times is None else times.user + times.system
+
+
+@events.init.add_listener
+def _remember(environment: Any, **_: Any) -> None:
+    _window["server_pid"] = getattr(environment.parsed_options, "server_pid", 0) or 0
 
 
 @events.spawning_complete.add_listener
 def _window_start(user_count: int, **_: Any) -> None:
     # With --reset-stats Locust restarts its statistics here, so CPU is counted from the same moment.
     _window.update(start_wall=time.time(), start_cpu=time.process_time(), users=user_count)
+    if (server := _server_cpu(int(_window["server_pid"]))) is not None:
+        _window["start_server_cpu"] = server
 
 
 @events.test_stop.add_listener
@@ -216,6 +240,7 @@ def _window_stop(environment: Any, **_: Any) -> None:
         return
     wall = time.time() - _window["start_wall"]
     cpu = time.process_time() - _window["start_cpu"]
+    server = _server_cpu(int(_window.get("server_pid", 0)))
     # Locust's final JSON has no failure messages; its error table does (reset with the stats).
     errors: dict[str, int] = {}
     for e in environment.stats.errors.values():
@@ -227,6 +252,11 @@ def _window_stop(environment: Any, **_: Any) -> None:
         "wall_s": wall,
         "cpu_s": cpu,
         "cores": cpu / wall if wall > 0 else 0.0,
+        "server_cores": None
+        if server is None or "start_server_cpu" not in _window
+        else (server - _window["start_server_cpu"]) / wall,
+        "requests": total.num_requests,
+        "failures": total.num_failures,
         "errors": errors,
         "percentiles_ms": {str(q): total.get_response_time_percentile(q) for q in PERCENTILES},
         "max_ms": total.max_response_time or 0.0,

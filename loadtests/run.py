@@ -3,33 +3,54 @@
     python -m loadtests.run --stage 5                  # UI on http://127.0.0.1:8089
     python -m loadtests.run --stage 3 --headless       # unique-32 for 30 s, files in out/loadtest/
 
-If a server already answers /ready on HOST:PORT it is used as it is; otherwise stage N is started
-with the command `make stageN` runs, and stopped again when Locust exits.
+If a server already answers /ready on HOST:PORT it is used as it is (its process found by its
+port, so its CPU is counted); otherwise stage N is started with the command `make stageN` runs,
+and stopped again when Locust exits. Headless, Locust runs as one subprocess and writes its own
+CSV and JSON; the locustfile's run report adds the measured window's CPU (Locust's and the
+server's), and this module stamps it as a summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import csv
+import json
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import orjson
 import psutil
 
+from common import corpus
 from common.serve import resolve
-from loadtests import evidence, harness
-from loadtests.harness import PROFILES
-from loadtests.procs import answers, running_stage
+from loadtests import evidence
+from loadtests.load import post_bodies
+from loadtests.procs import REPO, answers, running_stage
 
 OUT = evidence.OUT / "loadtest"  # git-ignored
+LOCUSTFILE = REPO / "loadtests" / "locustfile.py"
+WARMUP_SEED = 999  # never used by a profile, so a warm cache cannot flatter the unique-text runs
+# --8<-- [start:profiles]
+# The headless profiles: a user class, a user count and a few of the locustfile's options.
+PROFILES: dict[str, tuple[str, int, tuple[str, ...]]] = {
+    "unique-1": ("UniqueTextUser", 1, ()),
+    "unique-8": ("UniqueTextUser", 8, ()),
+    "unique-32": ("UniqueTextUser", 32, ()),
+    "unique-128": ("UniqueTextUser", 128, ()),
+    "repeated-32": ("RepeatedTextUser", 32, ("--unique-ratio", "0.3")),
+    "mixed-32": ("MixedLengthUser", 32, ()),
+    "waves-32": ("WaveUser", 32, ("--wave-period", "0.5")),
+    "overload-128": ("OverloadUser", 128, ("--overload-texts", "8")),
+}
+# --8<-- [end:profiles]
 
 
 def _listening(port: int) -> int | None:
@@ -43,12 +64,12 @@ def _listening(port: int) -> int | None:
 
 @contextlib.contextmanager
 def server_for(stage: str, host: str, port: int, out: Path) -> Iterator[int | None]:
-    """The pid of a stage started here, or None when something already answers on host:port."""
+    """The pid of a stage started here, or of the server already answering on host:port."""
     url = f"http://{host}:{port}"
     if answers(f"{url}/ready"):
         pid = _listening(port)
         print(f"using the server already answering on {url} (pid {pid or 'not visible'})", flush=True)
-        yield pid  # its CPU is measured too, when this user can see its process
+        yield pid
         return
     print(f"starting {stage} on {url} (log: {out / f'{stage}-{port}.log'})", flush=True)
     with running_stage(stage, out, port=port, host=host) as server:
@@ -57,11 +78,11 @@ def server_for(stage: str, host: str, port: int, out: Path) -> Iterator[int | No
 
 def web_ui(url: str, web_host: str, web_port: int, extra: Sequence[str]) -> int:
     command = [
-        sys.executable, "-m", "locust", "-f", str(harness.LOCUSTFILE), "--host", url,
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", url,
         "--web-host", web_host, "--web-port", str(web_port), "--class-picker", *extra,
     ]  # fmt: skip
     print(f"Locust web UI: http://{web_host}:{web_port}  (Ctrl-C stops Locust and the server)", flush=True)
-    locust = subprocess.Popen(command, cwd=harness.REPO)
+    locust = subprocess.Popen(command, cwd=REPO)
     try:
         return locust.wait()
     finally:
@@ -70,40 +91,61 @@ def web_ui(url: str, web_host: str, web_port: int, extra: Sequence[str]) -> int:
             locust.wait(timeout=20)
 
 
+def warm_up(url: str, seconds: float, clients: int = 4) -> None:
+    """Unique mixed-length texts from a few clients for ``seconds``, from a seed no profile uses."""
+    texts = corpus.texts(max(200, int(seconds * 400)), seed=WARMUP_SEED, kind="mixed")
+    key = next((k.strip() for k in os.environ.get("API_KEY", "").split(",") if k.strip()), "")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    bodies = [orjson.dumps({"inputs": [t]}) for t in texts]
+    asyncio.run(post_bodies(url, bodies, clients, seconds=seconds, headers=headers))
+
+
+# --8<-- [start:headless]
 def headless(
-    stage: str,
-    url: str,
-    profile_name: str,
-    seconds: float,
-    server_pid: int | None,
-    out: Path,
-    endpoint: str = "/v1/embed",
+    stage: str, url: str, profile: str, seconds: float, pid: int | None, out: Path, endpoint: str
 ) -> dict[str, Any]:
-    profile = next((p for p in PROFILES if p.name == profile_name), None)
-    if profile is None:
-        raise SystemExit(f"unknown profile {profile_name!r}; one of {[p.name for p in PROFILES]}")
-    profile = replace(profile, options=(*profile.options, "--endpoint", endpoint))
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    prefix = out / f"{stage}-{profile.name}-{stamp}"
-    harness.warm_up(url, min(5.0, seconds / 4))
-    point = harness.run_point(stage, url, profile, seconds, prefix, seed=1, server_pid=server_pid)
+    """One Locust run of ``profile`` for ``seconds``: Locust's files and a stamped summary in ``out``."""
+    if profile not in PROFILES:
+        raise SystemExit(f"unknown profile {profile!r}; one of {list(PROFILES)}")
+    user_class, users, options = PROFILES[profile]
+    prefix = out / f"{stage}-{profile}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}"
+    warm_up(url, min(5.0, seconds / 4))
+    command = [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", url,
+        "-u", str(users), "-r", str(users), "-t", f"{seconds:g}s",
+        "--reset-stats",  # measure from the moment every user is running, not during the ramp
+        "--stop-timeout", "10",  # requests in flight at the end still count
+        "--only-summary", "--loglevel", "WARNING", "--exit-code-on-error", "0",
+        "--csv", str(prefix), "--json-file", str(prefix), "--run-report", f"{prefix}_report.json",
+        "--server-pid", str(pid or 0), "--endpoint", endpoint, *options, user_class,
+    ]  # fmt: skip
+    with open(f"{prefix}_locust.log", "wb") as log:
+        subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
+    report = json.loads(Path(f"{prefix}_report.json").read_text())
+    # --8<-- [end:headless]
+    refused = sum(n for error, n in report["errors"].items() if error == "HTTP 503")
+    window, answered = report["wall_s"], report["requests"] - report["failures"]
+    row = {
+        "stage": stage, "profile": profile, "user_class": user_class, "users": users,
+        "window_s": round(window, 2), "requests": report["requests"], "successes": answered,
+        "rps": answered / window, "p50_ms": report["percentiles_ms"]["0.5"],
+        "p95_ms": report["percentiles_ms"]["0.95"], "p99_ms": report["percentiles_ms"]["0.99"],
+        "max_ms": report["max_ms"], "loadgen_cores": report["cores"], "server_cores": report["server_cores"],
+    }  # fmt: skip
+    failures = {"503": refused, "other": report["failures"] - refused}
     run = evidence.Run("loadtests.run", sys.argv[1:])
     run.commit, run.changed = evidence.git_state()
-    summary = {"stamp": run.stamp(), "url": url, **point.as_dict()}
+    summary = {"stamp": run.stamp(), "url": url, **row, "failures": failures, "errors": report["errors"]}
     evidence.write_json(Path(f"{prefix}_summary.json"), summary)
-    # Locust's own *_stats.csv is a snapshot taken up to a second before the end; this row is final.
-    row = {k: v for k, v in point.as_dict().items() if not isinstance(v, dict)}
-    row.update({f"failures_{k}": v for k, v in point.failures.items()})
     with open(f"{prefix}_summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(row))
+        writer = csv.DictWriter(f, fieldnames=[*row, "failures_503", "failures_other"])
         writer.writeheader()
-        writer.writerow(row)
-    server = f"{point.server_cores:.2f}" if server_pid else "not measured (its process is not visible)"
+        writer.writerow({**row, "failures_503": refused, "failures_other": failures["other"]})
+    server = "not measured" if row["server_cores"] is None else f"{row['server_cores']:.2f} cores"
     print(
-        f"{stage} {profile.name}: {point.rps:.1f} req/s, p50 {point.p50_ms:.0f} ms,"
-        f" p95 {point.p95_ms:.0f} ms, p99 {point.p99_ms:.0f} ms, failures {point.failures};"
-        f" Locust used {point.loadgen_cores:.2f}"
-        f" cores, the server {server}\nfiles: {prefix}_summary.json, {prefix}_summary.csv,"
+        f"{stage} {profile}: {row['rps']:.1f} req/s, p50 {row['p50_ms']:.0f} ms, p95 {row['p95_ms']:.0f} ms,"
+        f" p99 {row['p99_ms']:.0f} ms, failures {failures}; Locust used {row['loadgen_cores']:.2f} cores,"
+        f" the server {server}\nfiles: {prefix}_summary.json, {prefix}_summary.csv,"
         f" Locust's {prefix}.json and {prefix}_stats_history.csv",
         flush=True,
     )
@@ -116,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--stage", default="5", help="Stage to start when nothing answers (1-5).")
     parser.add_argument("--headless", action="store_true", help="One fixed profile, CSV/JSON out, no UI.")
-    parser.add_argument("--profile", default="unique-32", help="Headless profile (see harness.PROFILES).")
+    parser.add_argument("--profile", default="unique-32", choices=PROFILES, help="The headless profile.")
     parser.add_argument("--duration", type=float, default=30.0, help="Headless seconds.")
     parser.add_argument("--endpoint", choices=("/v1/embed", "/v1/embeddings"), default="/v1/embed")
     parser.add_argument("--out", type=Path, default=OUT, help="Folder for results and the server log.")
