@@ -111,7 +111,7 @@ def test_dashboard_fills_with_traffic(watched: Watched, server: Server, tmp_path
     assert (page.text_content("#t-lat") or "").endswith(" ms")  # the tile's value says its unit
     assert (page.text_content("#t-saved") or "").endswith(" s")
     why = page.text_content("#t-saved-why") or ""  # what the saving is, in one sentence on the page
-    assert "cache hit" in why and "run alone" in why and "batching's saving is not estimated" in why
+    assert "cache hit" in why and "call of its own" in why and "batching's saving is not estimated" in why
     assert watched.errors == []
     page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
     assert (tmp_path / "dashboard.png").stat().st_size > 20_000
