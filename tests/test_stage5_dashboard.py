@@ -3,27 +3,53 @@
 The page draws its charts (uPlot, served by the server) from the first answer, fills them as
 traffic arrives, draws a pause in traffic as zero, leaves no hole in its grid and wraps no
 table cell; its legends show the latest point when no cursor is over a chart, and all of it fits
-in a 1400x1000 window. The chapter's screenshot is taken by ``benchmarks/stage5_screenshot.py`` after a
-minute of traffic; this test saves its own picture in a temporary folder only.
+in a 1400x1000 window. The chapter's screenshot is taken by ``benchmarks/screenshots.py`` under
+Locust's load; this test saves its own picture in a temporary folder only.
 """
 
 from __future__ import annotations
 
+import asyncio
+import random
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from conftest import Server, run_server
 from playwright.sync_api import Browser, Page, sync_playwright
 
-from benchmarks.stage5_screenshot import CHROMIUM, CHROMIUM_ARGS, traffic
+from benchmarks.screenshots import CHROMIUM, CHROMIUM_ARGS
+from common import corpus
+from loadtests.load import post_bodies
 
 CHARTS = ("c-throughput", "c-latency", "c-hits", "c-batches", "c-queue", "c-tiers")
 TIME_CHARTS = tuple(c for c in CHARTS if c != "c-batches")  # x is time; batches: x is the size
+
+
+def traffic(url: str, seconds: float, clients: int) -> int:
+    """Closed-loop clients for ``seconds`` (sentences, 1 to 6 a request, about a third repeats);
+    the requests answered. On a thread of its own: Playwright's sync API holds this thread's loop."""
+    rng, fresh = random.Random(5), corpus.stream(int(time.time()), "sentence")
+    popular = corpus.texts(12, 77, "sentence")
+    bodies = [
+        orjson.dumps({"inputs": [rng.choice(popular) if rng.random() < 0.3 else next(fresh)
+                                 for _ in range(rng.randint(1, 6))]})
+        for _ in range(2000)
+    ]  # fmt: skip
+    answers: list[Any] = []
+    worker = threading.Thread(
+        target=lambda: answers.extend(asyncio.run(post_bodies(url, bodies, clients, seconds=seconds)))
+    )
+    worker.start()
+    worker.join()
+    assert answers and all(a.status == 200 for a in answers), answers[:3]
+    return len(answers)
 
 
 @pytest.fixture(scope="module")
