@@ -60,7 +60,7 @@ STEPS: tuple[Step, ...] = (
         6,
         3,
     ),
-    # pytest-benchmark's own rounds, about 30 benchmarks (15 s last run)
+    # pytest-benchmark's own rounds, 16 benchmarks (15 s last run)
     Step("bench", "microbenchmarks (pytest-benchmark)", "benchmarks.micro", ("bench.json",), 0.5, 0.3),
     Step(
         "stage2-threads",
@@ -139,14 +139,14 @@ STEPS: tuple[Step, ...] = (
         2,
         0.5,
     ),
-    # 19 commands, most against a server started fresh for each, a few seconds each
+    # 19 commands, 15 of them against a server started fresh for each: a few seconds each (30 s last run)
     Step(
         "docs-outputs",
         "what the chapters' commands print, against fresh servers",
         "benchmarks.docs_outputs",
         ("outputs.json",),
-        2,
-        2,
+        1,
+        1,
     ),
     # stage 5 and Locust's UI start (about 15 s), 30 s of load, 4 pictures in a browser (about 15 s)
     Step(
