@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ PICTURES = ("locust_start.png", "locust_charts.png", "locust_statistics.png", "d
 
 
 @contextmanager
-def locust_ui(server_url: str, log: Path) -> Any:
+def locust_ui(server_url: str, log: Path) -> Iterator[str]:
     """`make loadtest` against the server at ``server_url``; yields the web UI's address."""
     host, port = server_url.removeprefix("http://").split(":")
     web = free_port()
@@ -72,7 +72,7 @@ def shoot(server_url: str, ui: str, img: Path, user_class: str, users: int, seco
         time.sleep(2)  # the first users spawned: the page, reloaded, opens on the run
         page.goto(ui)
         page.get_by_role("tab", name="Charts").click(timeout=30_000)
-        time.sleep(seconds - 2)  # the charts draw what this page has seen since it opened
+        time.sleep(max(seconds - 2, 0))  # the charts draw what this page has seen since it opened
         stats = httpx.get(f"{ui}/stats/requests").json()
         page.screenshot(path=str(img / PICTURES[1]), full_page=True)
         page.get_by_role("tab", name="Statistics").click()
