@@ -60,7 +60,7 @@ STEPS: tuple[Step, ...] = (
         6,
         3,
     ),
-    # pytest-benchmark's own rounds, about 30 benchmarks (15 s last run)
+    # pytest-benchmark's own rounds, 16 benchmarks (15 s last run)
     Step("bench", "microbenchmarks (pytest-benchmark)", "benchmarks.micro", ("bench.json",), 0.5, 0.3),
     Step(
         "stage2-threads",
@@ -103,15 +103,6 @@ STEPS: tuple[Step, ...] = (
         3,
         1.5,
     ),
-    # 60 s of traffic, a server and a browser
-    Step(
-        "dashboard",
-        "stage 5: the dashboard after a minute of traffic",
-        "benchmarks.stage5_screenshot",
-        ("dashboard.json",),
-        1.5,
-        0.6,
-    ),
     Step(
         "layers", "what a layer costs: stages 1 to 5 in turns", "benchmarks.layers", ("layers.json",), 12, 2
     ),
@@ -148,17 +139,24 @@ STEPS: tuple[Step, ...] = (
         2,
         0.5,
     ),
-    # 19 commands, most against a server started fresh for each, a few seconds each
+    # 19 commands, 15 of them against a server started fresh for each: a few seconds each (30 s last run)
     Step(
         "docs-outputs",
         "what the chapters' commands print, against fresh servers",
         "benchmarks.docs_outputs",
         ("outputs.json",),
-        2,
-        2,
+        1,
+        1,
     ),
-    # one server, Locust's UI under load, 3 pictures (41 s last run)
-    Step("screenshots", "Locust's web UI, pictures", "loadtests.ui_screenshot", ("locust_ui.json",), 1, 0.7),
+    # stage 5 and Locust's UI start (about 15 s), 30 s of load, 4 pictures in a browser (about 15 s)
+    Step(
+        "screenshots",
+        "Locust's web UI and stage 5's dashboard under its load, pictures",
+        "benchmarks.screenshots",
+        ("screenshots.json",),
+        1,
+        0.6,
+    ),
     # the bad-input catalogue, the fuzzer and the faults against every stage (1.8 min last run)
     Step(
         "reliability",
@@ -246,10 +244,10 @@ PAGES: tuple[Page, ...] = (
         ("compare_throughput.png", "compare_p99.png"),
     ),
     Page(
-        "locust_ui.json",
-        "locust_ui.md",
-        "loadtests.ui_screenshot:caption_page",
-        images=("locust_start.png", "locust_charts.png", "locust_statistics.png"),
+        "screenshots.json",
+        "screenshots.md",
+        "benchmarks.screenshots:markdown",
+        images=("locust_start.png", "locust_charts.png", "locust_statistics.png", "dashboard.png"),
     ),
     Page("reliability.json", "reliability.md", "benchmarks.reliability.reliability:markdown"),
     Page(
@@ -260,12 +258,6 @@ PAGES: tuple[Page, ...] = (
         ("soak.png",),
     ),
     Page("stage3_refinements.json", "stage3_refinements.md", "benchmarks.stage3_refinements:markdown"),
-    Page(
-        "dashboard.json",
-        "dashboard.md",
-        "benchmarks.stage5_screenshot:caption_page",
-        images=("dashboard.png",),
-    ),
     Page("layers.json", "layers.md", "benchmarks.layers:markdown"),
     Page("cost_model.json", "cost_model.md", "benchmarks.cost_model:markdown"),
     Page("before_after.json", "before_after.md", "benchmarks.compare:against_markdown"),

@@ -106,7 +106,7 @@ class Metrics:
         # An estimate, the one figure here that is not a count (savings.py says how it is made).
         self.cache_saved = counter(
             "cache_saved_model_seconds",
-            "Model time the cache saved: each hit priced as its text run alone (measured at start).",
+            "Model time the cache saved: each hit priced as a model call of its own (overhead + tokens).",
         )
         # Known label values start at 0, so a rate over them starts at once. Their children are
         # bound here, and the requests' as they first come: ``labels()`` checks and hashes its

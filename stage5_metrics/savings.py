@@ -1,67 +1,59 @@
-"""How much model time the cache saved, and why batching's saving is not estimated.
+"""How much model time the cache saved, priced the way the cost model prices a model call.
 
-At start the server times the model on one text of a few lengths (the median of five runs
-each) and interpolates between them. A text answered from the cache saved what running it
-alone costs: each hit is priced as a lone run at its request's mean text length. Had it
-missed, it would have run in a batch instead, which on this model's CPU path costs a text
-about as much as a lone run (the cost model chapter measures both).
+The cost model chapter prices a call as a fixed overhead plus its tokens. At start the server
+fits that line to lone calls of a few lengths (the median of five runs each): a cache hit saved
+one such call of its request's mean text length. Had it missed, it would more likely have joined
+a batch, where the cost model measures a text's share at about the same price on this CPU path.
 
 Batching's saving is not estimated: what a batch's texts would have cost run apart cannot be
-measured without running them apart. Pricing them from the curve of lone runs reported
-savings far larger than the cost model finds batching can buy on two CPU cores. The batch
-charts show what batching did instead: sizes, padding and model time per batch.
+measured without running them apart, and the cost model finds batching buys little on two CPU
+cores. The batch charts show what batching did instead: sizes, padding and model time per batch.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from bisect import bisect_left
 
 import numpy as np
 
 from common.engine import Engine
 
-_LENGTHS = (4, 16, 32, 64, 128, 256)
+_LENGTHS = (8, 64, 128)  # tokens: a short query, a long sentence, a paragraph
 
 
 class CostModel:
-    """Model milliseconds of one text run alone, by its token count."""
+    """Model milliseconds of one call: ``overhead_ms`` plus ``token_ms`` for each of its tokens."""
 
-    def __init__(self, points: list[tuple[int, float]]) -> None:
-        self.tokens = [float(n) for n, _ in points]
-        # Timing noise must not make a longer text look cheaper.
-        self.ms = np.maximum.accumulate([ms for _, ms in points]).tolist()
+    def __init__(self, overhead_ms: float, token_ms: float) -> None:
+        # Timing noise must not price a call below nothing.
+        self.overhead_ms, self.token_ms = max(overhead_ms, 0.0), max(token_ms, 0.0)
 
     @classmethod
     def measure(cls, engine: Engine, repeats: int = 5) -> CostModel:
-        points = []
+        tokens, ms = [], []
         for length in _LENGTHS:
-            ids = engine.tokenize(["hello " * max(length - 2, 1)])[0].ids
+            ids = engine.tokenize(["hello " * (length - 2)])[0].ids
             runs = []
             for _ in range(repeats):
                 started = time.perf_counter()
                 engine.run([ids])
                 runs.append((time.perf_counter() - started) * 1e3)
-            # The median, not the best: the baseline is a typical lone call, not a lucky one.
-            points.append((len(ids), float(np.median(runs))))
-        return cls(points)
+            # The median, not the best: the price of a typical call, not a lucky one.
+            tokens.append(len(ids))
+            ms.append(statistics.median(runs))
+        token_ms, overhead_ms = np.polyfit(tokens, ms, 1)
+        return cls(float(overhead_ms), float(token_ms))
 
     # --8<-- [start:estimate]
-    def alone_ms(self, n_tokens: float) -> float:
-        """A lone run of a text this long: interpolated between the measured lengths."""
-        # Plain Python: np.interp on one number costs more than the rest of this function.
-        i = bisect_left(self.tokens, n_tokens)
-        if i == 0:
-            return self.ms[0]
-        if i == len(self.tokens):
-            return self.ms[-1] * n_tokens / self.tokens[-1]
-        x0, x1, y0, y1 = self.tokens[i - 1], self.tokens[i], self.ms[i - 1], self.ms[i]
-        return y0 + (y1 - y0) * (n_tokens - x0) / (x1 - x0)
+    def call_ms(self, tokens: float) -> float:
+        """A call of this many tokens, as the cost model prices it."""
+        return self.overhead_ms + self.token_ms * tokens
 
     def cache_saved_ms(self, hits: int, texts: int, tokens: int) -> float:
-        """What a request's cache hits saved: each a lone run at the request's mean text length."""
-        return hits * self.alone_ms(tokens / texts) if hits else 0.0
+        """What a request's cache hits saved: each a call of its own, at the request's mean length."""
+        return hits * self.call_ms(tokens / texts) if hits else 0.0
 
     # --8<-- [end:estimate]
-    def as_dict(self) -> dict[str, object]:
-        return {"tokens": self.tokens, "alone_ms": [round(x, 3) for x in self.ms]}
+    def as_dict(self) -> dict[str, float]:
+        return {"overhead_ms": self.overhead_ms, "token_ms": self.token_ms}

@@ -98,16 +98,10 @@ def test_the_checks_catch_a_removed_marker_and_a_missing_result(tmp_path: Path) 
 
 
 def test_the_settings_table_is_generated_from_the_current_settings() -> None:
-    assert settings_doc.main(["--check"]) == 0, (
-        "run `python -m benchmarks.settings_doc` and commit the result"
-    )
-    assert f"`{'MAX_QUEUE'}`" in (DOCS / "results" / "settings.md").read_text()
-
-
-def test_the_settings_check_fails_on_a_stale_table(tmp_path: Path) -> None:
-    stale = tmp_path / "settings.md"
-    stale.write_text(settings_doc.render().replace("MAX_QUEUE", "MAX_QUEUE_OLD"))
-    assert settings_doc.main(["--check", "--out", str(stale)]) == 1
+    """docs/results/settings.md is what settings-doc renders from the class today."""
+    committed = settings_doc.OUT.read_text()
+    assert committed == settings_doc.render(), "run `python -m benchmarks.settings_doc` and commit the result"
+    assert "`MAX_QUEUE`" in committed
 
 
 @pytest.mark.timeout(180)

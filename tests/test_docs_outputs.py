@@ -2,20 +2,22 @@
 
 Every captured output is run again, against a freshly started stage, and must keep its *shape*:
 the same lines once numbers, hex ids and timings are masked. A changed route, header, message or
-log line fails here; a different latency does not.
+log line fails here; a different latency does not. Each output is included by a chapter, and a
+demo's output shows its point (its ``shows`` pattern).
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from benchmarks import docs_outputs
-from benchmarks.docs_outputs import OUTPUTS, Output, cut, same_shape, shape
+from benchmarks.docs_outputs import OUTPUTS, Output, cut, printed, same_shape, shape
 from loadtests import evidence
 
-FOLDER = evidence.RESULTS / docs_outputs.FOLDER
+FOLDER = evidence.RESULTS / "outputs"
 
 
 def test_long_vectors_are_cut_and_short_lists_kept() -> None:
@@ -43,30 +45,38 @@ def test_only_an_output_marked_any_order_may_change_its_order() -> None:
     assert not same_shape(Output("x", "true", any_order=True), swapped + "more\n", lines)
 
 
-def test_the_manifest_names_are_files_and_unique() -> None:
-    names = [o.name for o in OUTPUTS]
-    assert len(names) == len(set(names))
-    assert all(n.replace("-", "").isalnum() and n == n.lower() for n in names), names
+def test_a_demo_that_does_not_show_its_point_fails_the_capture() -> None:
+    assert docs_outputs.run(Output("x", "echo \"{'deduplicated': 12}\"", shows="'deduplicated': [1-9]"))
+    with pytest.raises(RuntimeError, match="does not show its point"):
+        docs_outputs.run(Output("x", "echo \"{'deduplicated': 0}\"", shows="'deduplicated': [1-9]"))
 
 
-def test_every_output_is_captured_and_nothing_else() -> None:
-    """outputs/<name>.txt for every manifest entry, the same text as outputs.json holds."""
+def test_the_manifest_names_are_files() -> None:
+    assert all(re.fullmatch(r"[a-z0-9-]+", o.name) for o in OUTPUTS), [o.name for o in OUTPUTS]
+
+
+def test_every_output_is_captured_shows_its_point_and_is_in_a_chapter() -> None:
+    """outputs/<name>.txt for every manifest entry, the same text as outputs.json holds, matching
+    its ``shows`` pattern, and included by a page of the docs; no other file."""
     recorded = json.loads((evidence.RESULTS / "outputs.json").read_text())
     by_name = {o["name"]: o for o in recorded["outputs"]}
-    assert sorted(by_name) == sorted(o.name for o in OUTPUTS), "run `make results ONLY=docs-outputs RECORD=1`"
+    assert list(by_name) == [o.name for o in OUTPUTS], "run `make results ONLY=docs-outputs RECORD=1`"
+    pages = "".join(p.read_text() for p in (evidence.REPO / "docs").rglob("*.md"))
     for output in OUTPUTS:
-        assert (FOLDER / f"{output.name}.txt").read_text() == by_name[output.name]["text"]
-        assert by_name[output.name]["command"] == output.command, f"{output.name}: the command changed"
+        text = (FOLDER / f"{output.name}.txt").read_text()
+        assert text == by_name[output.name]["text"] and text.startswith(f"$ {output.command}\n"), output.name
+        assert re.search(output.shows, printed(output, text), re.MULTILINE), output.name
+        assert f'--8<-- "docs/results/outputs/{output.name}.txt"' in pages, f"{output.name}: in no chapter"
     assert sorted(p.stem for p in FOLDER.glob("*.txt")) == sorted(by_name)
 
 
 @pytest.mark.timeout(1200)
 def test_every_captured_command_prints_the_same_shape_today() -> None:
     differ = []
-    by_name = {o.name: o for o in OUTPUTS}
-    for fresh in docs_outputs.capture(OUTPUTS):
-        committed = (FOLDER / f"{fresh['name']}.txt").read_text()
-        if not same_shape(by_name[fresh["name"]], fresh["text"], committed):
-            differ.append(f"--- {fresh['name']}: committed\n{committed}--- today\n{fresh['text']}")
+    for output in OUTPUTS:
+        fresh = docs_outputs.run(output)["text"]
+        committed = (FOLDER / f"{output.name}.txt").read_text()
+        if not same_shape(output, fresh, committed):
+            differ.append(f"--- {output.name}: committed\n{committed}--- today\n{fresh}")
     rerun = "run `make results ONLY=docs-outputs RECORD=1` if the change is right:\n"
     assert not differ, rerun + "\n".join(differ)

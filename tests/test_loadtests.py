@@ -241,19 +241,22 @@ def test_headless_against_a_running_server_measures_its_cpu(stage_url: str, tmp_
 
 
 # --- make compare, quick ----------------------------------------------------------
-def test_web_ui_screenshots(tmp_path: Path) -> None:
-    """`make results ONLY=screenshots`, short: the start form, the charts and the table, as PNGs."""
+def test_screenshots(tmp_path: Path) -> None:
+    """`make results ONLY=screenshots`, short: Locust's start form, charts and table, and the
+    dashboard under that load, as PNGs, with the captions the chapters include."""
     done = subprocess.run(
-        [sys.executable, "-m", "loadtests.ui_screenshot", "--stage", available_stages()[-1], "--users", "4",
-         "--seconds", "3", "--img", str(tmp_path), "--results", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.screenshots", "--users", "4", "--seconds", "4",
+         "--img", str(tmp_path), "--results", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    for name in ("locust_start", "locust_charts", "locust_statistics"):
+    for name in ("locust_start", "locust_charts", "locust_statistics", "dashboard"):
         data = (tmp_path / f"{name}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
-    caption = (tmp_path / "locust_ui.md").read_text()
-    assert "[start:caption]" in caption and "[end:caption]" in caption
+    result = json.loads((tmp_path / "screenshots.json").read_text())
+    assert result["requests"] > 0 and result["failures"] == 0, result
+    captions = (tmp_path / "screenshots.md").read_text()
+    assert "[end:locust]" in captions and "[end:dashboard]" in captions
 
 
 def test_bench_suite_runs_once(tmp_path: Path) -> None:

@@ -139,20 +139,19 @@ def test_state_is_exported_by_name() -> None:
     assert 'embedserve_rejected_requests_total{reason="overload"} 2.0' in text
 
 
-def test_cost_model_is_measured_and_monotonic(engine: Engine) -> None:
+def test_the_call_price_is_fitted_to_real_model_calls(engine: Engine) -> None:
+    """The line through lone calls of 8, 64 and 128 tokens: a longer call costs more."""
     cost = CostModel.measure(engine, repeats=3)
-    assert cost.tokens == sorted(cost.tokens) and cost.tokens[0] >= 3
-    assert cost.ms == sorted(cost.ms) and cost.ms[0] > 0
-    assert cost.alone_ms(10) <= cost.alone_ms(200)
+    assert cost.token_ms > 0 and cost.overhead_ms >= 0
+    assert 0 < cost.call_ms(10) < cost.call_ms(200)
 
 
-def test_cache_hits_are_priced_as_lone_runs() -> None:
-    cost = CostModel([(4, 1.0), (32, 3.0), (64, 2.5)])  # timing noise: 64 tokens measured cheaper
-    assert cost.ms == [1.0, 3.0, 3.0]  # a longer text never looks cheaper
-    assert cost.alone_ms(2) == 1.0 and cost.alone_ms(18) == 2.0 and cost.alone_ms(128) == 6.0
-    # Three hits in a request of four texts and 72 tokens: three lone runs of 18 tokens.
-    assert cost.cache_saved_ms(3, 4, 72) == 6.0
+def test_cache_hits_are_priced_as_calls_of_their_own() -> None:
+    cost = CostModel(overhead_ms=2.0, token_ms=0.25)
+    # Three hits in a request of four texts and 72 tokens: three calls of 18 tokens, 6.5 ms each.
+    assert cost.call_ms(18) == 6.5 and cost.cache_saved_ms(3, 4, 72) == 19.5
     assert cost.cache_saved_ms(0, 4, 72) == 0.0
+    assert CostModel(overhead_ms=-1.0, token_ms=0.25).call_ms(4) == 1.0  # noise never prices below nothing
 
 
 def _record(**fields: object) -> logging.LogRecord:

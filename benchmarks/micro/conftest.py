@@ -26,8 +26,7 @@ def engine(settings: Settings) -> Engine:
 
 @pytest.fixture(scope="session")
 def sentences() -> list[str]:
-    """The load tests' default texts (unique sentences), fixed seed."""
-    return corpus.texts(256, seed=11, kind="sentence")
+    return corpus.texts(256, seed=11, kind="sentence")  # the load tests' texts, a fixed seed
 
 
 @pytest.fixture(scope="module")
