@@ -62,29 +62,24 @@ STEPS: tuple[Step, ...] = (
     ),
     # pytest-benchmark's own rounds, 16 benchmarks (15 s last run)
     Step("bench", "microbenchmarks (pytest-benchmark)", "benchmarks.micro", ("bench.json",), 0.5, 0.3),
+    # 5 servers starting at once (20 s), then 3 rounds x 5 layouts x 2 loads x (3 s + about 0.7 s to settle)
     Step(
         "stage2-threads",
         "stage 2: thread settings",
         "benchmarks.stage2_threads",
         ("stage2_threads.json",),
-        6.7,
-        1.5,
+        2.5,
+        1,
     ),
+    # the engine alone (14 x 1 s), the batcher alone (3 rounds x 11 bursts, 40 s), 6 servers starting
+    # at once (25 s), then 2 rounds x 17 points x (3 s + about 0.7 s to settle)
     Step(
         "stage3",
-        "stage 3: batching sweeps, windows by load",
+        "stage 3: targets, windows by load, each refinement",
         "benchmarks.stage3",
-        ("stage3_sweep.json",),
-        15,
+        ("stage3.json",),
         4,
-    ),
-    Step(
-        "stage3-refinements",
-        "stage 3: what each refinement changes (no HTTP)",
-        "benchmarks.stage3_refinements",
-        ("stage3_refinements.json",),
-        0.2,
-        0.2,
+        2,
     ),
     Step(
         "stage4",
@@ -131,13 +126,14 @@ STEPS: tuple[Step, ...] = (
             "unique-1,unique-32,repeated-32",
         ),
     ),
+    # the constants (30 s), 4 servers starting at once (15 s), 2 rounds x 8 points x (3 s + about 0.7 s)
     Step(
         "cost-model",
-        "the cost model's constants, its prediction beside layers and compare",
+        "the cost model: its constants, its prediction beside stages 1-3 in the same run",
         "benchmarks.cost_model",
         ("cost_model.json",),
         2,
-        0.5,
+        0.7,
     ),
     # 19 commands, 15 of them against a server started fresh for each: a few seconds each (30 s last run)
     Step(
@@ -220,20 +216,8 @@ PAGES: tuple[Page, ...] = (
         ("quantization.png",),
     ),
     Page("bench.json", "bench.md", "benchmarks.micro.__main__:markdown"),
-    Page(
-        "stage2_threads.json",
-        "stage2_threads.md",
-        "benchmarks.stage2_threads:markdown",
-        "benchmarks.results:_draw_stage2_threads",
-        ("stage2_threads.png",),
-    ),
-    Page(
-        "stage3_sweep.json",
-        "stage3.md",
-        "benchmarks.stage3:markdown",
-        "benchmarks.results:_draw_stage3",
-        ("stage3_sweep.png",),
-    ),
+    Page("stage2_threads.json", "stage2_threads.md", "benchmarks.stage2_threads:markdown"),
+    Page("stage3.json", "stage3.md", "benchmarks.stage3:markdown"),
     Page("stage4.json", "stage4.md", "benchmarks.stage4:markdown"),
     Page("cache_distance.json", "cache_distance.md", "benchmarks.cache_distance:markdown"),
     Page(
@@ -257,7 +241,6 @@ PAGES: tuple[Page, ...] = (
         "benchmarks.results:_draw_soak",
         ("soak.png",),
     ),
-    Page("stage3_refinements.json", "stage3_refinements.md", "benchmarks.stage3_refinements:markdown"),
     Page("layers.json", "layers.md", "benchmarks.layers:markdown"),
     Page("cost_model.json", "cost_model.md", "benchmarks.cost_model:markdown"),
     Page("before_after.json", "before_after.md", "benchmarks.compare:against_markdown"),
@@ -277,14 +260,6 @@ def _function(ref: str) -> Callable[..., Any]:
 
 def _draw_quantization(result: dict[str, Any], img: Path) -> None:
     _function("benchmarks.quantization:plot")(result, img / "quantization.png")
-
-
-def _draw_stage2_threads(result: dict[str, Any], img: Path) -> None:
-    _function("benchmarks.stage2_threads:plot")(result, img / "stage2_threads.png")
-
-
-def _draw_stage3(result: dict[str, Any], img: Path) -> None:
-    _function("benchmarks.stage3:plot")(result, img / "stage3_sweep.png")
 
 
 def _draw_soak(result: dict[str, Any], img: Path) -> None:

@@ -1,25 +1,22 @@
-"""Stage 2's two thread settings, measured together: WORKER_THREADS x ONNX_INTRA_THREADS (x spinning).
+"""Stage 2's thread settings, measured together: WORKER_THREADS x ONNX_INTRA_THREADS, and spinning.
 
-    python -m benchmarks.stage2_threads            # about 7 minutes; run it on a quiet machine
+    python -m benchmarks.stage2_threads            # about 2.5 minutes; run it on a quiet machine
     python -m benchmarks.stage2_threads --quick    # about a minute, to see that it works
-    python -m benchmarks.stage2_threads --record   # written to docs/results/ and docs/img/
+    python -m benchmarks.stage2_threads --record   # written to docs/results/
 
-The pool runs WORKER_THREADS model calls at once and each call uses ONNX_INTRA_THREADS
-threads (0: ONNX Runtime's default, one per core), so on 2 cores ``2 x 2`` asks for four
-busy threads plus the event loop. With ONNX_SPINNING on, idle ONNX threads spin instead of
-sleeping, which burns the cores the HTTP side needs. Each combination runs as a stage 2
-server and is loaded by 8 and 32 closed-loop clients sending one unique sentence per
-request, in rounds (see ``sweep``).
-
-Writes stage2_threads.json and .md (tables for the chapter), and stage2_threads.png.
+The pool runs WORKER_THREADS model calls at once, each with ONNX_INTRA_THREADS threads (0, the
+default: the cores shared out among the calls; for one call, ONNX Runtime's own choice, every
+core). ONNX_SPINNING keeps idle ONNX threads spinning instead of sleeping. Each layout runs as
+its own stage 2 server, all at once (an idle one costs nothing), loaded by ``wrk`` with 8 and 32
+connections, one new sentence per request, in rounds that visit the servers in a new random order
+each time, so a busy spell of the machine hits them all alike; a point is its median round.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
 import random
+import statistics
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -28,189 +25,107 @@ from typing import Any
 import orjson
 
 from common import corpus
-from common.settings import Settings
+from common.engine import intra_threads_for
 from loadtests import evidence
-from loadtests.httpload import post_requests, run_load
-from loadtests.load import settle
+from loadtests.load import settle, wrk
 from loadtests.procs import running_stage
-from loadtests.tables import page, table
+from loadtests.tables import num, page, table
 
-WORKERS = (1, 2)
-INTRA = (1, 2, 0)
-SPINNING = (False, True)
-CLIENTS = (8, 32)
-
-
-def _env(workers: int, intra: int, spinning: bool) -> dict[str, str]:
-    return {
-        "WORKER_THREADS": str(workers),
-        "ONNX_INTRA_THREADS": str(intra),
-        "ONNX_SPINNING": str(spinning).lower(),
-    }
+# (WORKER_THREADS, ONNX_INTRA_THREADS, ONNX_SPINNING): one call on every core (stage 1's layout),
+# one call of one thread, the defaults, two calls of two threads each, the defaults spinning.
+LAYOUTS = ((1, 0, False), (1, 1, False), (2, 0, False), (2, 2, False), (2, 0, True))
+DEFAULTS = (2, 0, False)
+CONNECTIONS = (8, 32)
 
 
-def sweep(
-    seconds: float, warmup: float, clients: tuple[int, ...], rounds: int, logs: Path
-) -> list[dict[str, Any]]:
-    """Every combination runs as its own server, all at once (idle ones cost nothing); the rounds
-    visit them in a new random order each time, so a busy spell of the machine hits them all alike.
-    A point's figure is the median of its rounds."""
-    texts = corpus.texts(20_000, seed=2, kind="sentence")
-    requests = post_requests("/v1/embed", [orjson.dumps({"inputs": [t]}) for t in texts])
-    combos = list(itertools.product(WORKERS, INTRA, SPINNING))
-    rng = random.Random(0)
-    runs: dict[tuple[int, int, bool, int], list[dict[str, Any]]] = {}
+def sweep(seconds: float, rounds: int, logs: Path) -> list[dict[str, Any]]:
+    bodies = [orjson.dumps({"inputs": [t]}) for t in corpus.texts(20_000, seed=2, kind="sentence")]
+    runs: dict[tuple[tuple[int, int, bool], int], list[dict[str, Any]]] = {}
     with ExitStack() as stack:
         servers = {
-            combo: stack.enter_context(running_stage("stage2_threadpool", logs, _env(*combo)))
-            for combo in combos
-        }
+            layout: stack.enter_context(running_stage("stage2_threadpool", logs, {
+                "WORKER_THREADS": str(layout[0]), "ONNX_INTRA_THREADS": str(layout[1]),
+                "ONNX_SPINNING": str(layout[2]).lower()}))
+            for layout in LAYOUTS
+        }  # fmt: skip
+        for server in servers.values():  # a first load, on other texts: the servers warm
+            wrk(server.url, bodies[::-1], 8, 1)
+        rng = random.Random(0)
         for r in range(rounds):
-            for combo in rng.sample(combos, len(combos)):
-                server = servers[combo]
-                for n in clients:
-                    settle(server.pid, server.url)
-                    run = run_load(server.host, server.port, requests, n, seconds, warmup)
-                    print(json.dumps({"round": r, "combo": combo, **run}), flush=True)
-                    runs.setdefault((*combo, n), []).append(run)
-    points = []
-    for (workers, intra, spinning, _clients), rs in runs.items():
-        median = sorted(rs, key=lambda x: x["requests_per_s"])[len(rs) // 2]
-        points.append(
-            {
-                "worker_threads": workers,
-                "onnx_intra_threads": intra,
-                "onnx_spinning": spinning,
-                **median,
-                "rounds_requests_per_s": [x["requests_per_s"] for x in rs],
-            }
-        )
-    points.sort(
-        key=lambda p: (p["worker_threads"], p["onnx_intra_threads"], p["onnx_spinning"], p["clients"])
-    )
-    return points
+            for layout in rng.sample(LAYOUTS, len(LAYOUTS)):
+                for n in CONNECTIONS:
+                    settle(servers[layout].pid, servers[layout].url)
+                    point = wrk(servers[layout].url, bodies, n, seconds)
+                    print(orjson.dumps({"round": r, "layout": layout, **point}).decode(), flush=True)
+                    runs.setdefault((layout, n), []).append(point)
+    return [
+        {"layout": list(layout), "connections": n,
+         "requests_per_s": statistics.median(p["requests_per_s"] for p in ps),
+         "p99_ms": statistics.median(p["p99_ms"] or 0.0 for p in ps),
+         "errors": sum(p["socket_errors"] for p in ps),
+         "rounds_requests_per_s": [p["requests_per_s"] for p in ps]}
+        for (layout, n), ps in runs.items()
+    ]  # fmt: skip
 
 
-def summarize(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """The combination with the most requests/s summed over the client counts (ties: lower p99)."""
-    by_combo: dict[tuple[int, int, bool], list[dict[str, Any]]] = {}
-    for p in points:
-        by_combo.setdefault((p["worker_threads"], p["onnx_intra_threads"], p["onnx_spinning"]), []).append(p)
-
-    def score(item: tuple[tuple[int, int, bool], list[dict[str, Any]]]) -> tuple[float, float]:
-        _, ps = item
-        return (sum(p["requests_per_s"] for p in ps), -max(p["p99_ms"] or 0 for p in ps))
-
-    (workers, intra, spinning), ps = max(by_combo.items(), key=score)
-    defaults = Settings.model_fields
-    return {
-        "best": {"worker_threads": workers, "onnx_intra_threads": intra, "onnx_spinning": spinning},
-        "best_points": ps,
-        "settings_defaults": {
-            "worker_threads": defaults["worker_threads"].default,
-            "onnx_intra_threads": defaults["onnx_intra_threads"].default,
-            "onnx_spinning": defaults["onnx_spinning"].default,
-        },
-    }
+def _rps(result: dict[str, Any], layout: tuple[int, int, bool], n: int) -> float:
+    return float(next(p["requests_per_s"] for p in result["points"] if p["layout"] == list(layout)
+                      and p["connections"] == n))  # fmt: skip
 
 
-def plot(result: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    points = result["points"]
-    clients = sorted({p["clients"] for p in points})
-    fig, axes = plt.subplots(1, len(clients), figsize=(5 * len(clients), 4), sharey=True, squeeze=False)
-    for ax, n in zip(axes[0], clients, strict=True):
-        ps = [p for p in points if p["clients"] == n]
-        labels = [
-            f"{p['worker_threads']}x{p['onnx_intra_threads'] or 'auto'}"
-            + (" spin" if p["onnx_spinning"] else "")
-            for p in ps
-        ]
-        colors = ["tab:red" if p["onnx_spinning"] else "tab:blue" for p in ps]
-        ax.barh(labels, [p["requests_per_s"] for p in ps], color=colors)
-        ax.set_title(f"{n} clients")
-        ax.set_xlabel("requests/s (one sentence each)")
-    fig.suptitle("Stage 2: WORKER_THREADS x ONNX_INTRA_THREADS (red: ONNX_SPINNING on)")
-    fig.tight_layout()
-    evidence.save_figure(fig, path, result["stamp"], dpi=100)
-    plt.close(fig)
-    return path
+def _threads(layout: Sequence[Any], cores: int) -> int:
+    """Threads per call: ONNX_INTRA_THREADS, else the cores shared out (one call: ONNX's all)."""
+    return int(layout[1] or intra_threads_for(layout[0]) or cores)
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """stage2_threads.md: snippet sections for the stage 2 chapter."""
-    note = f"{result['rounds']} round(s) of {result['seconds_per_point']} s per point, median round shown."
-    clients = sorted({p["clients"] for p in result["points"]})
-    best = result["best"]
-    combos = sorted(
-        {(p["worker_threads"], p["onnx_intra_threads"], p["onnx_spinning"]) for p in result["points"]}
-    )
+    cores = result["stamp"]["machine"]["logical_cores"]
     rows = []
-    for workers, intra, spinning in combos:
-        mark = "**" if (workers, intra, spinning) == (
-            best["worker_threads"], best["onnx_intra_threads"], best["onnx_spinning"]
-        ) else ""  # fmt: skip
-        row: list[Any] = [
-            f"{mark}{workers}{mark}",
-            intra if intra else "0 (auto)",
-            "on" if spinning else "off",
-        ]
-        for n in clients:
-            p = next(
-                x
-                for x in result["points"]
-                if (x["worker_threads"], x["onnx_intra_threads"], x["onnx_spinning"], x["clients"])
-                == (workers, intra, spinning, n)
-            )
-            row += [p["requests_per_s"], p["p99_ms"]]
-        rows.append(row)
-    head = ["WORKER_THREADS", "ONNX_INTRA_THREADS", "ONNX_SPINNING"]
-    head += [h for n in clients for h in (f"req/s @{n}", f"p99 ms @{n}")]
-    d = result["settings_defaults"]
+    for layout in map(tuple, result["layouts"]):
+        row: list[Any] = [layout[0], layout[1], "on" if layout[2] else "off", _threads(layout, cores)]
+        for n in CONNECTIONS:
+            p = next(x for x in result["points"] if x["layout"] == list(layout) and x["connections"] == n)
+            row += [num(p["requests_per_s"], 0), num(p["p99_ms"], 0)]
+        rows.append([f"**{c}**" if layout == DEFAULTS and i == 0 else c for i, c in enumerate(row)])
+    head = ["WORKER_THREADS", "ONNX_INTRA_THREADS", "ONNX_SPINNING", "threads per call"]
+    head += [h for n in CONNECTIONS for h in (f"req/s @{n}", f"p99 ms @{n}")]
 
-    def combo(x: dict[str, Any]) -> str:
-        spin = str(x["onnx_spinning"]).lower()
-        threads = f"WORKER_THREADS={x['worker_threads']}, ONNX_INTRA_THREADS={x['onnx_intra_threads']}"
-        return f"{threads}, ONNX_SPINNING={spin}"
+    def ratios(layout: tuple[int, int, bool], of: tuple[int, int, bool]) -> str:
+        at = [f"{_rps(result, layout, n) / _rps(result, of, n):.2f}x at {n}" for n in CONNECTIONS]
+        return " and ".join(at) + " connections"
 
-    best_line = (
-        f"Best in this run (most requests/s over both client counts): {combo(best)}."
-        f" The defaults in `common/settings.py`: {combo(d)}."
-    )
-    return page(result["stamp"], {"table": table(head, rows), "best": [best_line]}, note)
+    best = max(LAYOUTS, key=lambda lay: sum(_rps(result, lay, n) for n in CONNECTIONS))
+    words = [
+        f"The defaults (two calls at once, {_threads(DEFAULTS, cores)} thread(s) each here) did"
+        f" {ratios(DEFAULTS, (1, 0, False))} of one call on every core, and"
+        f" {ratios(DEFAULTS, (1, 1, False))} of one call of one thread. Two calls of two threads each"
+        f" did {ratios((2, 2, False), DEFAULTS)} of the defaults; the defaults with ONNX_SPINNING on"
+        f" did {ratios((2, 0, True), DEFAULTS)}. Most requests/s over both loads:"
+        f" WORKER_THREADS={best[0]}, ONNX_INTRA_THREADS={best[1]}, ONNX_SPINNING={str(best[2]).lower()}"
+        + (", the defaults." if best == DEFAULTS else ", not the defaults.")
+    ]
+    note = f"{result['rounds']} round(s) of {result['seconds']:g} s per point, the median round shown."
+    return page(result["stamp"], {"table": table(head, rows), "best": words}, note)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--duration", type=float, default=4.0, help="seconds per point and round")
+    parser.add_argument("--seconds", type=float, default=3.0, help="seconds per point and round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, help="folder for stage2_threads.json and .md")
-    parser.add_argument("--img", type=Path, help="folder for stage2_threads.png")
     evidence.add_arguments(parser)
     args = parser.parse_args(argv)
     run = evidence.start("benchmarks.stage2_threads", args, argv)
-    seconds, warmup, rounds = (2.0, 0.5, 1) if args.quick else (args.duration, 1.0, args.rounds)
-    points = sweep(seconds, warmup, CLIENTS, rounds, run.logs("stage2_threads"))
+    seconds, rounds = (1.0, 1) if args.quick else (args.seconds, args.rounds)
+    points = sweep(seconds, rounds, run.logs("stage2_threads"))
     result = {
         "stamp": run.stamp(),
-        "seconds_per_point": seconds,
+        "seconds": seconds,
         "rounds": rounds,
-        "text_kind": "sentence",
-        "texts_per_request": 1,
+        "layouts": LAYOUTS,
         "points": points,
-        **summarize(points),
     }
-    out, img = args.out or run.results_dir, args.img or run.img_dir
-    written = [
-        evidence.write_json(out / "stage2_threads.json", result),
-        evidence.write_text(out / "stage2_threads.md", markdown(result)),
-        plot(result, img / "stage2_threads.png"),
-    ]
-    print(json.dumps(result["best"]), "->", ", ".join(str(p) for p in written))
+    result = orjson.loads(orjson.dumps(result))  # tuples as lists, as a reader of the JSON sees them
+    evidence.publish(run, "stage2_threads", result, markdown)
 
 
 if __name__ == "__main__":

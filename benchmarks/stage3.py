@@ -1,41 +1,36 @@
-"""Stage 3's measurements: the targets against stage 2 and the engine, and where batching stops paying.
+"""Stage 3's measurements: its targets against stage 2 and the engine, the window by load, and
+what each refinement changes.
 
-    python -m benchmarks.stage3            # about 8 minutes; run it on a quiet machine
-    python -m benchmarks.stage3 --quick    # a few seconds per point, about 3 minutes
-    python -m benchmarks.stage3 --record   # written to docs/results/ and docs/img/
+    python -m benchmarks.stage3            # about 4 minutes; run it on a quiet machine
+    python -m benchmarks.stage3 --quick    # about a minute, to see that it works
+    python -m benchmarks.stage3 --record   # written to docs/results/stage3.{json,md}
 
-Writes stage3_sweep.json, stage3.md (the tables the chapter and its lab notes include) and
-stage3_sweep.png.
 One run, one machine:
 
-* ``engine``: the engine alone on the same sentences at its best batch size (the ceiling), and
-  what one more model call costs, in padded tokens (k calls of one row against one of k rows).
-* ``targets``: stage 2 and stage 3 with their defaults at 1 and 32 clients, unique sentences.
-* ``batch_size``: stage 3 with MAX_BATCH_SIZE 1..64.
-* ``windows``: how long should a batch wait? The load tiers with their windows (MEDIUM, HIGH),
-  one stage 3 server per pair, all running at once and taking turns at 8, 32 and 128
-  connections; 50 ms for both is the window many servers ship with.
-* ``concurrency``: BATCH_CONCURRENCY 1 and 2 (batches in the model at once), each with and
-  without a 2 ms window, at 8 and 32 clients.
-* ``mixed``: queries and passages together at 32 clients, GROUP_BY_LENGTH and SPLIT_BY_LENGTH.
-* ``burst``: 256 mixed texts queued at once in the batcher (no HTTP): padding with and without
-  grouping and length buckets.
-* ``variant``: MODEL_VARIANT=int8-static, where length buckets change no vector.
-
-The load comes from ``wrk`` (closed loop, one new text per request): on 2 cores every millisecond
-the client spends is taken from the server, and wrk spends a small fraction of what Locust does.
+* ``engine``: the engine alone on the same sentences at its best batch size and layout (the
+  ceiling, ``benchmarks.compare.engine_ceiling``), and what one more model call costs in padded
+  tokens: k calls of one row against one call of k rows, CPU time, one thread a call as a slot runs.
+* ``servers``: stage 2 and stage 3 servers, all running at once and taking turns under ``wrk``
+  (one new sentence per request), in rounds: stage 2 and stage 3 with their defaults at 1 and 32
+  connections (the targets); stage 3 with windows for its MEDIUM and HIGH tiers, and with one
+  model slot, at 8, 32 and 128 connections (the windows). A point is its median round.
+* ``refinements``: 256 mixed texts queued at once, straight into the batcher (no HTTP): the
+  textbook ``Batcher``, then the refinements added one at a time in the chapter's order. What the
+  batcher decides is counted with a stand-in model (the same on every machine; one text makes it
+  raise), its speed with the real engine. Then the length buckets at several prices of a call
+  (CALL_OVERHEAD_TOKENS), in turns: the measurement behind its default.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,374 +38,279 @@ import httpx
 import numpy as np
 import orjson
 
-from benchmarks.compare import engine_ceiling
+from benchmarks.compare import CEILING_SEED, engine_ceiling
 from common import corpus
-from common.engine import Engine
+from common.engine import Engine, TokenizedText
 from common.settings import Settings
 from loadtests import evidence
-from loadtests import load as loading
-from loadtests.evidence import save_figure
-from loadtests.load import settle
+from loadtests.load import settle, wrk
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, table
-from stage3_batching.app import RefinedBatcher
+from stage3_batching.batcher import Batcher, Model
+from stage3_batching.refined import RefinedBatcher
 
-HOST = "127.0.0.1"
-BATCH_SIZES = (1, 4, 8, 16, 32, 64)
-# (MEDIUM, HIGH) windows in ms; the first is the default, the last the common choice elsewhere.
-WINDOWS = ((0.0, 0.0), (0.0, 2.0), (2.0, 2.0), (0.0, 5.0), (5.0, 5.0), (50.0, 50.0))
+S2, S3 = "stage2_threadpool", "stage3_batching"
+# name: (stage, settings, connections). "MEDIUM / HIGH" are the tiers' windows in ms; 0 / 0 is the default.
+SERVERS = {
+    "stage 2": (S2, {}, (1, 32)),
+    "0 / 0": (S3, {}, (1, 8, 32, 128)),
+    "0 / 2": (S3, {"BATCH_WINDOW_HIGH_MS": "2"}, (8, 32, 128)),
+    "2 / 2": (S3, {"BATCH_WINDOW_MS": "2", "BATCH_WINDOW_HIGH_MS": "2"}, (8, 32, 128)),
+    "50 / 50": (S3, {"BATCH_WINDOW_MS": "50", "BATCH_WINDOW_HIGH_MS": "50"}, (8, 32, 128)),
+    "0 / 0, one slot": (S3, {"BATCH_CONCURRENCY": "1"}, (8, 32)),
+}
 TIERS = ("low", "medium", "high")
-
-
-def load(url: str, bodies: list[bytes], clients: int, seconds: float, warmup: float) -> dict[str, Any]:
-    """Requests/s and latency percentiles of ``clients`` wrk connections over ``seconds``, after
-    ``warmup`` seconds of the same load on other texts."""
-    loading.wrk(url, bodies[::-1], clients, warmup)
-    point = loading.wrk(url, bodies, clients, seconds)
-    errors = point.pop("socket_errors") + round(point.pop("non_2xx_per_s") * max(1, round(seconds)))
-    return {"clients": point.pop("connections"), **point, "errors": errors}
+# (what, measured as, "at least" or "at most", the target): the ratios the chapter holds stage 3 to
+TARGETS = (
+    ("requests/s at 32 connections, against the engine alone", "engine", "at least", 0.80),
+    ("requests/s at 32 connections, against stage 2", "rps", "at least", 1.25),
+    ("p99 latency at 32 connections, against stage 2", "p99", "at most", 1.00),
+    ("p50 latency at 1 connection, against stage 2", "p50", "at most", 1.20),
+)
+REFINEMENTS = ("tiers", "grouping", "buckets", "isolation", "busy_slots")  # the chapter's order
+NAMES = dict(zip(REFINEMENTS, ("load tiers", "length grouping", "length buckets", "failure isolation",
+                               "busy slots"), strict=True))  # fmt: skip
+PRICES = (4, 8, 16, 32, 64)  # CALL_OVERHEAD_TOKENS tried
+BAD_ID = 10**9  # a token id no tokenizer makes: the stand-in model raises on it
 
 
 def bodies_for(kind: str, n: int, seed: int) -> list[bytes]:
     return [orjson.dumps({"inputs": [t]}) for t in corpus.texts(n, seed=seed, kind=kind)]
 
 
-def run_stage(
-    stage: str, env: dict[str, str], points: Sequence[tuple[str, int]], args: argparse.Namespace, port: int
-) -> list[dict[str, Any]]:
-    """Start ``stage`` once with ``env`` and measure each (text kind, clients) point."""
-    results = []
-    with running_stage(stage, evidence.OUT / "logs" / "stage3", env, port=port or None, host=HOST) as server:
-        url = server.url
-        for kind, clients in points:
-            settle(server.pid, url)
-            before = _batcher_metrics(url)
-            point = load(
-                url, bodies_for(kind, 20_000, seed=31 + clients), clients, args.duration, args.warmup
-            )
-            after = _batcher_metrics(url)
-            point.update({"stage": stage, "kind": kind, **{k.lower(): _num(v) for k, v in env.items()}})
-            if before and after:
-                point.update(batch_delta(before, after))
-            print(json.dumps(point), flush=True)
-            results.append(point)
-    return results
-
-
-def _num(value: str) -> Any:
-    try:
-        return float(value) if "." in value else int(value)
-    except ValueError:
-        return value
-
-
-def _batcher_metrics(url: str) -> dict[str, Any] | None:
-    response = httpx.get(f"{url}/v1/batcher/metrics", timeout=5.0)
-    return dict(response.json()) if response.status_code == 200 else None
-
-
-def batch_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """Batch statistics of the measured interval only (warm-up included: it is the same load)."""
-    batches = after["batches"] - before["batches"]
-    texts = after["texts"] - before["texts"]
-    padded = after["padded_tokens"] - before["padded_tokens"]
-    real = after["real_tokens"] - before["real_tokens"]
-    tiers = {t: after["tiers"][t] - before["tiers"][t] for t in after["tiers"]}
-    return {
-        "average_batch_size": texts / batches if batches else 0.0,
-        "padding_ratio": 1 - real / padded if padded else 0.0,
-        "tiers": tiers,
-    }
-
-
-SENTENCES, MIXED = [("sentence", 1), ("sentence", 32)], [("mixed", 32)]
-
-
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    port, s3 = args.port, "stage3_batching"
-    out: dict[str, Any] = {"duration_s": args.duration, "warmup_s": args.warmup}
-    out["load_average"] = {"before": os.getloadavg()[0]}  # other work on the machine shows here
-    print("engine alone ...", flush=True)
-    out["engine"] = engine_ceiling(["sentence"], args.ceiling_seconds)["sentence"]
-    out["engine"]["call_overhead"] = call_overhead()
-    out["burst"] = asyncio.run(burst())
-    out["batch_mates"] = batch_mates()
-    out["targets"] = run_stage("stage2_threadpool", {}, SENTENCES, args, port)
-    out["targets"] += run_stage(s3, {}, SENTENCES, args, port)
-    out["batch_size"] = []
-    for size in BATCH_SIZES:
-        out["batch_size"] += run_stage(s3, {"MAX_BATCH_SIZE": str(size)}, SENTENCES[1:], args, port)
-    out["windows"] = windows(args)
-    out["concurrency"] = []  # model slots and the window, together: one decides the other
-    for slots in (1, 2):
-        for window in (0.0, 2.0):
-            env = {"BATCH_CONCURRENCY": str(slots), "BATCH_WINDOW_MS": str(window)}
-            out["concurrency"] += run_stage(s3, env, [("sentence", 8), ("sentence", 32)], args, port)
-    out["mixed"] = []
-    for env in ({}, {"GROUP_BY_LENGTH": "false"}, {"SPLIT_BY_LENGTH": "false"}):
-        out["mixed"] += run_stage(s3, env, MIXED, args, port)
-    out["variant"] = []
-    for split in ("true", "false"):
-        env = {"MODEL_VARIANT": "int8-static", "SPLIT_BY_LENGTH": split}
-        out["variant"] += run_stage(s3, env, SENTENCES[1:], args, port)
-    out["load_average"]["after"] = os.getloadavg()[0]
-    out["summary"] = summarize(out)
-    return out
-
-
-def windows(args: argparse.Namespace, clients: Sequence[int] = (8, 32, 128)) -> dict[str, Any]:
-    """Every (MEDIUM, HIGH) pair of windows a stage 3 server, all at once, measured in turns."""
-    points: list[dict[str, Any]] = []
-    with ExitStack() as stack:
-        env = {w: {"BATCH_WINDOW_MS": f"{w[0]:g}", "BATCH_WINDOW_HIGH_MS": f"{w[1]:g}"} for w in WINDOWS}
-        logs = evidence.OUT / "logs" / "stage3"
-        servers = {w: stack.enter_context(running_stage("stage3_batching", logs, env[w])) for w in WINDOWS}
-        for n in clients:
-            for round_ in range(args.rounds):
-                for w, server in servers.items():  # every pair once per round, in turns
-                    settle(server.pid, server.url)
-                    bodies = bodies_for("sentence", 60_000, seed=8000 + 100 * round_ + n)
-                    before = _batcher_metrics(server.url)
-                    point = load(server.url, bodies, n, args.duration, args.warmup)
-                    point.update(medium_ms=w[0], high_ms=w[1], round=round_)
-                    after = _batcher_metrics(server.url)
-                    if before and after:
-                        point.update(batch_delta(before, after))
-                    print(json.dumps(point), flush=True)
-                    points.append(point)
-    rows = []
-    for n in clients:
-        for medium, high in WINDOWS:
-            mine = [p for p in points if (p["clients"], p["medium_ms"], p["high_ms"]) == (n, medium, high)]
-            tiers = {t: sum(p["tiers"][t] for p in mine) for t in TIERS}
-            rows.append({
-                "clients": n, "medium_ms": medium, "high_ms": high,
-                **{k: _median([p[k] for p in mine]) for k in ("requests_per_s", "p50_ms", "p99_ms")},
-                "average_batch_size": statistics.median(p["average_batch_size"] for p in mine),
-                "tier_share": {t: round(tiers[t] / (sum(tiers.values()) or 1), 3) for t in TIERS},
-            })  # fmt: skip
-    return {"rounds": args.rounds, "points": points, "summary": rows}
-
-
-def _median(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
-
-
+# --- the engine alone ------------------------------------------------------------------------
 def call_overhead(k: int = 16, length: int = 24, repeats: int = 7) -> dict[str, float]:
-    """What one more model call costs: k texts as k calls of one row against one call of k rows.
+    """What one more model call costs: k rows as k calls of one row against one call of k rows.
 
-    CPU time (all threads of this process), not wall time: it is what a saturated server
-    runs out of, and other work on the machine disturbs it far less.
-    """
-    engine = Engine.from_settings(Settings())
+    One length, so no padding: only the number of calls differs. CPU time (all threads of this
+    process), not wall time: it is what a saturated server runs out of."""
+    settings = Settings()
+    engine = Engine.from_settings(settings, calls_at_once=settings.batch_concurrency)  # a slot's threads
     engine.warmup()
     ids = [np.arange(1000, 1000 + length) for _ in range(k)]
-    joint = min(_cpu(lambda: engine.run(ids)) for _ in range(repeats))
-    apart = min(_cpu(lambda: [engine.run([row]) for row in ids]) for _ in range(repeats))
-    fixed = (apart - joint) / (k - 1)
-    per_token = joint / (k * length)
-    return {"fixed_ms": fixed * 1e3, "per_token_ms": per_token * 1e3, "tokens": fixed / per_token}
+
+    def cpu(fn: Callable[[], object]) -> float:
+        start = time.process_time()
+        fn()
+        return time.process_time() - start
+
+    joint = min(cpu(lambda: engine.run(ids)) for _ in range(repeats))
+    apart = min(cpu(lambda: [engine.run([row]) for row in ids]) for _ in range(repeats))
+    fixed, per_token = (apart - joint) / (k - 1), joint / (k * length)
+    return {"k": k, "length": length, "fixed_ms": fixed * 1e3, "per_token_ms": per_token * 1e3,
+            "tokens": fixed / per_token, "alone_ms": apart / k * 1e3,
+            "in_batch_ms": joint / k * 1e3}  # fmt: skip
 
 
-def _cpu(fn: Any) -> float:
-    start = time.process_time()
-    fn()
-    return time.process_time() - start
+# --- the servers -----------------------------------------------------------------------------
+def batcher_metrics(url: str) -> dict[str, Any] | None:
+    response = httpx.get(f"{url}/v1/batcher/metrics", timeout=5.0)
+    return dict(response.json()) if response.status_code == 200 else None  # stage 2 has none
 
 
-def batch_mates(n: int = 64) -> dict[str, dict[str, float]]:
-    """Cosine between a text's vector alone and inside one padded batch of mixed texts."""
-    texts = corpus.texts(n, seed=78, kind="mixed")
-    out = {}
-    for variant in ("int8-dynamic", "int8-static"):
-        engine = Engine(Settings().model_dir, variant=variant)
-        alone = np.concatenate([engine.embed([t]).vectors for t in texts])
-        cosines = (alone * engine.embed(texts).vectors).sum(axis=1)
-        out[variant] = {"texts": n, "min_cosine": float(cosines.min()), "mean_cosine": float(cosines.mean())}
-    print(json.dumps(out), flush=True)
+def servers(seconds: float, rounds: int, logs: Path) -> list[dict[str, Any]]:
+    """Every server of ``SERVERS`` at once; each round visits every (server, connections) in turn."""
+    bodies = bodies_for("sentence", 20_000, seed=CEILING_SEED)  # the ceiling's sentences come first
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    with ExitStack() as stack:
+        up = {
+            name: stack.enter_context(running_stage(stage, logs, env))
+            for name, (stage, env, _) in SERVERS.items()
+        }
+        for server in up.values():  # a first load, on other texts: every server warm
+            wrk(server.url, bodies[::-1], 8, 1)
+        for r in range(rounds):
+            for name, (_, _, loads) in SERVERS.items():
+                for n in loads:
+                    settle(up[name].pid, up[name].url)
+                    before = batcher_metrics(up[name].url)
+                    point = wrk(up[name].url, bodies, n, seconds)
+                    if (after := batcher_metrics(up[name].url)) and before:
+                        batches = after["batches"] - before["batches"]
+                        point["average_batch_size"] = (after["texts"] - before["texts"]) / max(1, batches)
+                        point["tiers"] = {t: after["tiers"][t] - before["tiers"][t] for t in TIERS}
+                    print(orjson.dumps({"round": r, "server": name, **point}).decode(), flush=True)
+                    runs.setdefault((name, n), []).append(point)
+    out = []
+    for (name, _), ps in runs.items():
+        mid = sorted(ps, key=lambda p: p["requests_per_s"])[len(ps) // 2]  # the median round
+        errors = sum(p["socket_errors"] + round(p["non_2xx_per_s"] * max(1, seconds)) for p in ps)
+        out.append(
+            {
+                "server": name,
+                **mid,
+                "errors": errors,
+                "rounds_requests_per_s": [p["requests_per_s"] for p in ps],
+            }
+        )
     return out
 
 
-async def burst(n: int = 256) -> list[dict[str, Any]]:
-    """Mixed texts queued all at once, straight into the batcher with the real engine."""
-    engine = Engine.from_settings(Settings())
+# --- the batcher alone -----------------------------------------------------------------------
+def _stand_in(ids: list[np.ndarray]) -> np.ndarray:
+    if any(row[-1] == BAD_ID for row in ids):
+        raise ValueError("bad text")
+    return np.zeros((len(ids), 384), np.float32)
+
+
+def batcher_with(*refinements: str) -> Callable[[Model, Settings], Batcher]:
+    """The textbook batcher with ``refinements`` (``RefinedBatcher`` with the others left out)."""
+    return partial(RefinedBatcher, **{r: r in refinements for r in REFINEMENTS}) if refinements else Batcher
+
+
+async def burst(kind: Callable[[Model, Settings], Batcher], model: Model, tokens: list[TokenizedText],
+                settings: Settings) -> dict[str, Any]:  # fmt: skip
+    """Every text of ``tokens`` submitted at once, one per request: what the batcher did."""
+    batcher = kind(model, settings)
+    await batcher.start()
+    start, cpu = time.perf_counter(), time.process_time()  # CPU: every thread of this process
+    outcomes = await asyncio.gather(*(batcher.submit([t]) for t in tokens), return_exceptions=True)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    await batcher.close()
+    s = batcher.stats
+    return {"model_calls": s.calls, "padding_ratio": s.padding_ratio, "texts_per_s": len(tokens) / seconds,
+            "cpu_ms": cpu * 1e3 / len(tokens),
+            "failed_callers": sum(isinstance(o, BaseException) for o in outcomes)}  # fmt: skip
+
+
+async def lone_wait_ms(kind: Callable[[Model, Settings], Batcher], tokens: list[TokenizedText]) -> float:
+    """Mean queue wait of 20 requests sent one after another, under a 5 ms window."""
+    batcher = kind(_stand_in, Settings(batch_window_ms=5.0))
+    await batcher.start()
+    waits = [(await batcher.submit([t])).queue_ms for t in tokens[:20]]
+    await batcher.close()
+    return float(np.mean(waits))
+
+
+async def refinements(rounds: int, n: int = 256) -> dict[str, Any]:
+    """The chapter's steps counted with the stand-in, then every step and price timed with the real
+    engine in turns (``rounds`` rounds, the median kept), so a busy spell hits them all alike."""
+    settings = Settings()
+    engine = Engine.from_settings(settings, calls_at_once=settings.batch_concurrency)  # as the slots run it
+    engine.warmup()
     tokens = engine.tokenize(corpus.texts(n, seed=77, kind="mixed"))
-    results = []
-    for group, split in ((False, False), (True, False), (True, True)):
-        settings = Settings(group_by_length=group, split_by_length=split)
-        batcher = RefinedBatcher(engine.run, settings)
-        await batcher.start()
-        start = time.perf_counter()
-        await asyncio.gather(*(batcher.submit([t]) for t in tokens))
-        seconds = time.perf_counter() - start
-        await batcher.close()
-        stats = batcher.stats
-        results.append(
-            {"group_by_length": group, "split_by_length": split, "texts": n, "texts_per_s": n / seconds,
-             "padding_ratio": stats.padding_ratio, "batches": stats.batches, "model_calls": stats.calls}
-        )  # fmt: skip
-        print(json.dumps(results[-1]), flush=True)
-    return results
+    bad = list(tokens)
+    bad[100] = replace(bad[100], ids=np.append(bad[100].ids, BAD_ID))
+    steps = {f"{i}. + {NAMES[REFINEMENTS[i - 1]]}" if i else "0. textbook": batcher_with(*REFINEMENTS[:i])
+             for i in range(len(REFINEMENTS) + 1)}  # fmt: skip
+    timed = {**{name: (kind, settings) for name, kind in steps.items()},
+             **{p: (RefinedBatcher, Settings(call_overhead_tokens=p)) for p in PRICES}}  # fmt: skip
+    runs: dict[str | int, list[dict[str, Any]]] = {key: [] for key in timed}
+    for _ in range(rounds):
+        for key, (kind, s) in timed.items():
+            runs[key].append(await burst(kind, engine.run, tokens, s))
+    rows, prices = [], []
+    for key, (kind, s) in timed.items():
+        timing = {k: statistics.median(r[k] for r in runs[key]) for k in ("texts_per_s", "cpu_ms")}
+        row = {**await burst(kind, _stand_in, tokens, s), **timing}
+        if isinstance(key, int):
+            prices.append({"price": key, **row})
+            continue
+        failed = await burst(kind, _stand_in, bad, s)
+        rows.append({"batcher": key, **row, "lone_wait_ms": await lone_wait_ms(kind, tokens),
+                     "bad_text": {k: failed[k] for k in ("failed_callers", "model_calls")}})  # fmt: skip
+        print(orjson.dumps(rows[-1]).decode(), flush=True)
+    return {"texts": n, "rounds": rounds, "rows": rows, "prices": prices}
 
 
-def summarize(out: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets, as ratios inside this one run."""
-    pick = {(p["stage"], p["clients"]): p for p in out["targets"]}
-    s2_1, s2_32 = pick[("stage2_threadpool", 1)], pick[("stage2_threadpool", 32)]
-    s3_1, s3_32 = pick[("stage3_batching", 1)], pick[("stage3_batching", 32)]
-    measured = {
-        "stage 3 / engine alone, 32 clients": s3_32["requests_per_s"] / out["engine"]["texts_per_s"],
-        "stage 3 / stage 2 throughput, 32 clients": s3_32["requests_per_s"] / s2_32["requests_per_s"],
-        "stage 3 / stage 2 p99, 32 clients": s3_32["p99_ms"] / s2_32["p99_ms"],
-        "stage 3 / stage 2 p50, 1 client": s3_1["p50_ms"] / s2_1["p50_ms"],
-    }
-    target = dict(zip(measured, (">= 0.80", ">= 1.25", "<= 1.00", "<= 1.20"), strict=True))
-    met = {k: (v >= float(target[k][3:])) if target[k][0] == ">" else v <= float(target[k][3:])
-           for k, v in measured.items()}  # fmt: skip
-    return {"measured": measured, "target": target, "met": met}
+# --- the page --------------------------------------------------------------------------------
+def _point(result: dict[str, Any], server: str, n: int) -> dict[str, Any]:
+    return next(p for p in result["servers"] if p["server"] == server and p["connections"] == n)
 
 
-# --- the report ------------------------------------------------------------------------
-HTTP_HEAD = ["clients", "req/s", "p50 ms", "p99 ms", "avg batch", "padding"]
+def verdict(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target: the ratio measured in this run, and whether it is met."""
+    s2_1, s2_32 = _point(result, "stage 2", 1), _point(result, "stage 2", 32)
+    s3_1, s3_32 = _point(result, "0 / 0", 1), _point(result, "0 / 0", 32)
+    measured = {"engine": s3_32["requests_per_s"] / result["engine"]["texts_per_s"],
+                "rps": s3_32["requests_per_s"] / s2_32["requests_per_s"],
+                "p99": s3_32["p99_ms"] / s2_32["p99_ms"], "p50": s3_1["p50_ms"] / s2_1["p50_ms"]}  # fmt: skip
+    return [{"what": what, "measured": measured[key], "bound": bound, "target": target,
+             "met": measured[key] >= target if bound == "at least" else measured[key] <= target}
+            for what, key, bound, target in TARGETS]  # fmt: skip
 
 
-def _http_table(points: list[dict[str, Any]], first: str, key: str) -> list[str]:
-    return table(
-        [first, *HTTP_HEAD],
-        [
-            (p[key] if key in p else p["stage"], p["clients"], num(p["requests_per_s"]), num(p["p50_ms"]),
-             num(p["p99_ms"]), num(p.get("average_batch_size") or None),
-             "–" if p.get("padding_ratio") is None else f"{p['padding_ratio']:.0%}")
-            for p in points
-        ],
-    )  # fmt: skip
+def _windows(result: dict[str, Any]) -> list[str]:
+    rows = []
+    for n in (8, 32, 128):
+        points = [
+            _point(result, name, n)
+            for name, (stage, _, loads) in SERVERS.items()
+            if stage == S3 and n in loads
+        ]
+        best = max(p["requests_per_s"] for p in points)
+        for p in points:
+            share = sum(p["tiers"].values()) or 1
+            rows.append((n, p["server"], num(p["requests_per_s"], 0), f"{p['requests_per_s'] / best:.2f}",
+                         num(p["p50_ms"], 1), num(p["p99_ms"], 1), num(p["average_batch_size"], 1),
+                         " / ".join(f"{100 * p['tiers'][t] / share:.0f}" for t in TIERS)))  # fmt: skip
+    head = ["connections", "window ms, MEDIUM / HIGH", "req/s", "of best", "p50 ms", "p99 ms", "avg batch",
+            "batches % LOW / MEDIUM / HIGH"]  # fmt: skip
+    return table(head, rows, align="rlrrrrrr")
 
 
-def _windows_table(rows: list[dict[str, Any]]) -> list[str]:
-    best: dict[int, float] = {}
-    for row in rows:
-        best[row["clients"]] = max(best.get(row["clients"], 0.0), row["requests_per_s"])
-    return table(
-        ["connections", "window ms, MEDIUM / HIGH", "req/s", "of best", "p50 ms", "p99 ms", "avg batch",
-         "batches % LOW / MEDIUM / HIGH"],
-        [(r["clients"], f"{r['medium_ms']:g} / {r['high_ms']:g}", num(r["requests_per_s"], 0),
-          f"{r['requests_per_s'] / best[r['clients']]:.2f}", num(r["p50_ms"], 1), num(r["p99_ms"], 1),
-          num(r["average_batch_size"], 1), " / ".join(f"{100 * r['tier_share'][t]:.0f}" for t in TIERS))
-         for r in rows],
-        align="rlrrrrrr",
-    )  # fmt: skip
-
-
-def _setting(point: dict[str, Any]) -> str:
-    keys = ("group_by_length", "split_by_length", "model_variant")
-    return ", ".join(f"{k.upper()}={point[k]}" for k in keys if k in point) or "defaults"
-
-
-def _on(flag: bool) -> str:
-    return "on" if flag else "off"
-
-
-def markdown(out: dict[str, Any]) -> str:
-    e, cores = out["engine"], out["stamp"]["machine"]["logical_cores"]
-    call, load = e["call_overhead"], out["load_average"]
-    note = (
-        f"{out['duration_s']:.0f} s per point; 1-minute load average {load['before']:.1f} before the run"
-        f" and {load['after']:.1f} after"
-        + (f" (above {cores} before it: other work shared the cores, and the absolute numbers are low)."
-           if load["before"] > cores else ".")
-    )  # fmt: skip
-    summary = out["summary"]
+def markdown(result: dict[str, Any]) -> str:
+    e, call, ref = result["engine"], result["call_overhead"], result["refinements"]
+    targets = [(stage, n, num(p["requests_per_s"], 0), num(p["p50_ms"], 1), num(p["p99_ms"], 1),
+                num(p.get("average_batch_size"), 1))
+               for stage, name in (("stage 2", "stage 2"), ("stage 3", "0 / 0")) for n in (1, 32)
+               for p in [_point(result, name, n)]]  # fmt: skip
+    verdicts = [f"- {v['what']}: **{v['measured']:.2f}x**, where the target is {v['bound']}"
+                f" {v['target']:.2f}x: {'met' if v['met'] else '**missed**'}."
+                for v in result["verdict"]]  # fmt: skip
+    default = Settings().call_overhead_tokens
+    at_default = next(p["cpu_ms"] for p in ref["prices"] if p["price"] == default)
+    cheapest = min(ref["prices"], key=lambda p: p["cpu_ms"])
+    nearest = min(ref["prices"], key=lambda p: abs(p["price"] - call["tokens"]))
     sections = {
-        "engine": [f"Engine alone on the same sentences: **{e['texts_per_s']:.0f} texts/s** at batch "
-                   f"{e['best_batch']}, {e.get('best_calls_at_once', 1)} call(s) side by side. "
-                   f"One more model call costs about {call['fixed_ms']:.2f} ms of CPU, "
-                   f"as much as **{call['tokens']:.0f} padded tokens**."],
-        "engine_batches": table(["batch size", *e["by_batch"]],
-                                [["texts/s", *(num(v, 0) for v in e["by_batch"].values())]]),
-        "targets": _http_table(out["targets"], "stage", "stage"),
-        "summary": table(["ratio", "measured", "target", "met"],
-                         [(k, f"{v:.2f}", summary["target"][k], "yes" if summary["met"][k] else "**no**")
-                          for k, v in summary["measured"].items()], align="lrrl"),
-        "batch_size": _http_table(out["batch_size"], "MAX_BATCH_SIZE", "max_batch_size"),
-        "windows": _windows_table(out["windows"]["summary"]),
-        "concurrency": _http_table(
-            [{**p, "setting": f"{p['batch_concurrency']}, {p['batch_window_ms']:g} ms"}
-             for p in out.get("concurrency", [])],
-            "BATCH_CONCURRENCY, BATCH_WINDOW_MS", "setting"),
-        "mixed": _http_table([{**p, "setting": _setting(p)} for p in out["mixed"]], "setting", "setting"),
-        "variant": _http_table([{**p, "setting": _setting(p)} for p in out["variant"]], "setting", "setting"),
-        "burst": table(["texts", "grouping", "buckets", "batches", "model calls", "padding", "texts/s"],
-                       [(b["texts"], _on(b["group_by_length"]), _on(b["split_by_length"]), b["batches"],
-                         b["model_calls"], f"{b['padding_ratio']:.0%}", num(b["texts_per_s"]))
-                        for b in out["burst"]]),
-        "batch_mates": table(["variant", "texts", "min cosine", "mean cosine"],
-                             [(v, c["texts"], num(c["min_cosine"], 4), num(c["mean_cosine"], 4))
-                              for v, c in out["batch_mates"].items()]),
+        "engine": [f"The engine alone on the same sentences: **{e['texts_per_s']:.0f} texts/s**, at batch"
+                   f" {e['best_batch']} with {e['best_calls_at_once']} call(s) side by side. Stage 3 at 32"
+                   f" connections: {_point(result, '0 / 0', 32)['requests_per_s']:.0f} requests/s."],
+        "targets": table(["stage", "connections", "req/s", "p50 ms", "p99 ms", "avg batch"], targets),
+        "verdict": [f"Stage 3's targets, met in {sum(v['met'] for v in result['verdict'])} of"
+                    f" {len(result['verdict'])} in this run:", "", *verdicts],
+        "windows": _windows(result),
+        "refinements": table(
+            ["batcher", "model calls", "padding", "CPU ms a text", "texts/s", "failed by 1 bad text",
+             "calls with it", "lone wait ms"],
+            [(r["batcher"], r["model_calls"], f"{r['padding_ratio']:.0%}", num(r["cpu_ms"], 2),
+              num(r["texts_per_s"], 0), r["bad_text"]["failed_callers"], r["bad_text"]["model_calls"],
+              num(r["lone_wait_ms"], 2)) for r in ref["rows"]]),
+        "prices": table(["CALL_OVERHEAD_TOKENS", "model calls", "padding", "CPU ms a text", "of the default"],
+                        [(p["price"], p["model_calls"], f"{p['padding_ratio']:.0%}", num(p["cpu_ms"], 2),
+                          f"{p['cpu_ms'] / at_default:.2f}") for p in ref["prices"]]),
+        "price": [f"One more model call costs {call['fixed_ms']:.2f} ms of CPU here, as much as"
+                  f" **{call['tokens']:.0f} padded tokens** ({call['k']} rows of {call['length']} tokens as"
+                  f" {call['k']} calls against one). In the burst, the buckets priced at {nearest['price']},"
+                  f" the figure tried nearest that, cost {nearest['cpu_ms'] / at_default:.2f}x the CPU a text"
+                  f" of the default (CALL_OVERHEAD_TOKENS={default}); the least, priced at"
+                  f" {cheapest['price']}: {cheapest['cpu_ms'] / at_default:.2f}x."],
     }  # fmt: skip
-    return page(out["stamp"], sections, note)
-
-
-def plot(out: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    windows = [{**p, "pair": f"{p['medium_ms']:g} / {p['high_ms']:g}"} for p in out["windows"]["summary"]]
-    for ax, points, x_key, label in (
-        (axes[0], out["batch_size"], "max_batch_size", "MAX_BATCH_SIZE (32 clients)"),
-        (axes[1], windows, "pair", "window ms, MEDIUM / HIGH (32 clients)"),
-    ):
-        points = [p for p in points if p["clients"] == 32]
-        xs = [str(p[x_key]) for p in points]
-        ax.bar(xs, [p["requests_per_s"] for p in points], color="#4a7ab0", label="stage 3 req/s")
-        ax.axhline(out["engine"]["texts_per_s"], color="#999", linestyle="--", label="engine alone")
-        ax.set_xlabel(label)
-        ax.set_ylabel("requests/s")
-        twin = ax.twinx()
-        twin.plot(xs, [p["p99_ms"] for p in points], color="#c0392b", marker="o")
-        twin.set_ylabel("p99 latency (ms)", color="#c0392b")
-        twin.set_ylim(bottom=0)
-        ax.legend(loc="lower right")
-    stamp = out["stamp"]
-    m = stamp["machine"]
-    fig.suptitle(
-        f"stage 3, unique sentences: {m['cpu_model']} ({m['logical_cores']} cores), {stamp['date'][:10]}"
+    note = (
+        f"{result['seconds']:g} s per server point, {result['rounds']} round(s) in turns, the median"
+        f" shown. The batcher alone: {ref['texts']} mixed texts, {ref['rounds']} round(s) in turns."
     )
-    fig.tight_layout()
-    save_figure(fig, path, stamp)
-    plt.close(fig)
-    return path
+    return page(result["stamp"], sections, note)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--duration", type=float, help="Seconds measured per point (default 10).")
-    parser.add_argument("--warmup", type=float, help="Seconds of load before each point (default 2).")
-    parser.add_argument("--ceiling-seconds", type=float, help="Seconds per batch size for the engine alone.")
-    parser.add_argument("--rounds", type=int, help="Rounds of the windows sweep (default 2).")
-    parser.add_argument("--port", type=int, default=0, help="Port for the servers (0: a free one each).")
-    parser.add_argument("--out", type=Path, help="Folder for the JSON and markdown.")
-    parser.add_argument("--img", type=Path, help="Folder for stage3_sweep.png.")
+    parser.add_argument("--seconds", type=float, default=3.0, help="seconds per server point")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the servers and of the prices")
     evidence.add_arguments(parser)
     args = parser.parse_args(argv)
     run = evidence.start("benchmarks.stage3", args, argv)
-    args.duration = args.duration or (2.0 if args.quick else 10.0)
-    args.warmup = args.warmup or (0.5 if args.quick else 2.0)
-    args.rounds = args.rounds or (1 if args.quick else 2)
-    args.ceiling_seconds = args.ceiling_seconds or (0.5 if args.quick else 3.0)
-    out = {"stamp": {}, **measure(args)}
-    out["stamp"] = run.stamp()
-    folder, img = args.out or run.results_dir, args.img or run.img_dir
-    evidence.write_json(folder / "stage3_sweep.json", out)
-    evidence.write_text(folder / "stage3.md", markdown(out))
-    plot(out, img / "stage3_sweep.png")
-    print(json.dumps(out["summary"], indent=2))
-    print(f"wrote {folder}/stage3_sweep.json, {folder}/stage3.md and {img}/stage3_sweep.png")
+    seconds, rounds = (1.0, 1) if args.quick else (args.seconds, args.rounds)
+    result: dict[str, Any] = {"stamp": {}, "seconds": seconds, "rounds": rounds}
+    result["engine"] = engine_ceiling(["sentence"], 0.3 if args.quick else 1.0)["sentence"]
+    result["call_overhead"] = call_overhead()
+    result["refinements"] = asyncio.run(refinements(rounds + 1))  # a burst is short: a round more
+    result["servers"] = servers(seconds, rounds, run.logs("stage3"))
+    result["verdict"] = verdict(result)
+    result["stamp"] = run.stamp()
+    evidence.publish(run, "stage3", result, markdown)
 
 
 if __name__ == "__main__":

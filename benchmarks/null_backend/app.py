@@ -1,9 +1,7 @@
-"""A server with the real API contract and no model: what a request costs apart from the model.
+"""The API contract with no model: what a request costs apart from the model (``benchmarks.cost_model``).
 
-    python -m common.serve benchmarks.null_backend     # what benchmarks/cost_model.py starts
-
-The contract (``common.api.create_app``) with a backend that tokenizes, as every stage does, and
-answers with fixed vectors instead of running the model: the HTTP ceiling of a machine.
+A backend that tokenizes, as every stage does, and answers with fixed vectors instead of running
+the model: ``python -m common.serve benchmarks.null_backend``.
 """
 
 from __future__ import annotations
@@ -20,9 +18,8 @@ class NullBackend:
     """Answers without the model: what a request still costs is the contract's own work."""
 
     def __init__(self, engine: Engine, settings: Settings) -> None:
-        rng = np.random.default_rng(0)
         self.engine = engine
-        self.vectors = l2_normalize(rng.standard_normal((settings.max_items, engine.dimensions)))
+        self.vectors = l2_normalize(np.ones((settings.max_items, engine.dimensions), np.float32))
 
     async def embed(self, job: EmbedJob) -> EmbedResult:
         tokens = await tokenize(self.engine, job)  # every stage tokenizes; only the model is left out
