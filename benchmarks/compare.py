@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from loadtests.harness import COMPARE_ENV, COMPARE_WITHOUT, PROFILES, Profile
 
 from common import corpus
 from common.engine import Engine
@@ -45,7 +46,6 @@ from common.serve import STAGES, available_stages, resolve
 from common.settings import Settings
 from loadtests import evidence, harness, load
 from loadtests.evidence import save_figure
-from loadtests.harness import COMPARE_ENV, COMPARE_WITHOUT, PROFILES, Profile
 from loadtests.procs import free_port, running_stage
 from loadtests.tables import num, page, stage_label, table
 
