@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from loadtests.harness import COMPARE_ENV, COMPARE_WITHOUT, PROFILES, Profile
 
 from common import corpus
 from common.engine import Engine
@@ -46,6 +45,7 @@ from common.serve import STAGES, available_stages, resolve
 from common.settings import Settings
 from loadtests import evidence, harness, load
 from loadtests.evidence import save_figure
+from loadtests.harness import COMPARE_ENV, COMPARE_WITHOUT, PROFILES, Profile
 from loadtests.procs import free_port, running_stage
 from loadtests.tables import num, page, stage_label, table
 
