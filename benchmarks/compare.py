@@ -127,14 +127,14 @@ def bodies(profile: Profile, seed: int, count: int) -> list[bytes]:
 
 
 def measure(server: StageProcess, profile: Profile, requests: list[bytes], seconds: float) -> dict[str, Any]:
-    """One point: ``wrk``, the server's CPU for each 2xx answer; then the server settles (its
-    backlog done), so that the next point, on any server, starts on an idle machine."""
+    """One point; then the server settles, so that the next point, on any server, finds an idle machine."""
     cpu = load.process_cpu(process := psutil.Process(server.pid))
     point = load.wrk(server.url, requests, profile.connections, seconds)
     answered = point["requests_per_s"] * max(1, math.ceil(seconds))  # wrk runs whole seconds
     cpu = load.process_cpu(process) - cpu
     load.settle(server.pid, server.url)
-    return {**point, "cpu_ms": round(1e3 * cpu / answered, 3) if answered else None}
+    silent = {"p50_ms": None, "p99_ms": None} if not answered + point["non_2xx_per_s"] else {}  # not 0 ms
+    return {**point, **silent, "cpu_ms": round(1e3 * cpu / answered, 3) if answered else None}
 
 
 def start(stack: ExitStack, stages: Sequence[str], tree: Path, side: str = "") -> list[Server]:
