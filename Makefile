@@ -132,8 +132,8 @@ results: setup tools $(if $(NEEDS_CLUSTER),$(VENV)/.cluster)
 	$(PY) -m benchmarks.results $(EVIDENCE) $(if $(ONLY),--only $(ONLY)) $(if $(FROM),--from $(FROM)) \
 		$(if $(LIST),--list) $(ARGS)
 
-## compare: every stage under the same Locust profiles, then the engine ceiling (AGAINST=commit: that commit's stages and this checkout's, in turns)
-compare: setup
+## compare: every stage in turns under the same wrk loads, each against the one before, and the engine alone (AGAINST=commit: that commit's stages and this checkout's, in turns)
+compare: setup tools
 	$(PY) -m benchmarks.compare $(EVIDENCE) $(if $(AGAINST),--against $(AGAINST)) $(ARGS)
 
 ## bench: pytest-benchmark microbenchmarks (COMPARE=1: against your last run)

@@ -98,33 +98,25 @@ STEPS: tuple[Step, ...] = (
         3,
         1.5,
     ),
-    Step(
-        "layers", "what a layer costs: stages 1 to 5 in turns", "benchmarks.layers", ("layers.json",), 12, 2
-    ),
+    # 5 stages x 6 profiles x 3 rounds x (2 s of wrk + about 0.8 s to settle), 5 start-ups (10 s) and
+    # the engine alone (2 kinds x 2 layouts x 7 batch sizes x 1 s, and the large batches' overrun)
     Step(
         "compare",
-        "every stage under the same Locust profiles",
+        "every stage in turns under the same loads, each against the one before",
         "benchmarks.compare",
         ("compare.json",),
-        10,
-        4,
+        5.5,
+        1.3,
     ),
-    # 2 stages x 3 profiles x 2 commits x 2 rounds x (6 s + about 2 s), and the servers' start-ups
+    # 5 stages x 2 profiles x 2 commits x 2 rounds x (2 s + about 0.8 s), 10 start-ups, a worktree
     Step(
         "before-after",
-        "stages 4 and 5 before the Redis write went behind the answer, and now, in turns",
+        "stages 1 to 5 at the start of this simplification, and now, in turns",
         "benchmarks.compare",
         ("before_after.json",),
-        4,
-        2,
-        args=(
-            "--against",
-            "f39c08d",
-            "--stages",
-            "stage4_cache_backpressure,stage5_metrics",
-            "--profiles",
-            "unique-1,unique-32,repeated-32",
-        ),
+        2.4,
+        1,
+        args=("--against", "5b1685e", "--profiles", "unique-32,unique-128"),
     ),
     # the constants (30 s), 4 servers starting at once (15 s), 2 rounds x 8 points x (3 s + about 0.7 s)
     Step(
@@ -220,13 +212,7 @@ PAGES: tuple[Page, ...] = (
     Page("stage3.json", "stage3.md", "benchmarks.stage3:markdown"),
     Page("stage4.json", "stage4.md", "benchmarks.stage4:markdown"),
     Page("cache_distance.json", "cache_distance.md", "benchmarks.cache_distance:markdown"),
-    Page(
-        "compare.json",
-        "compare.md",
-        "benchmarks.compare:markdown",
-        "benchmarks.compare:plots",
-        ("compare_throughput.png", "compare_p99.png"),
-    ),
+    Page("compare.json", "compare.md", "benchmarks.compare:markdown"),
     Page(
         "screenshots.json",
         "screenshots.md",
@@ -241,7 +227,6 @@ PAGES: tuple[Page, ...] = (
         "benchmarks.results:_draw_soak",
         ("soak.png",),
     ),
-    Page("layers.json", "layers.md", "benchmarks.layers:markdown"),
     Page("cost_model.json", "cost_model.md", "benchmarks.cost_model:markdown"),
     Page("before_after.json", "before_after.md", "benchmarks.compare:against_markdown"),
     Page("outputs.json", "outputs.md", "benchmarks.docs_outputs:markdown"),  # and outputs/<name>.txt

@@ -1,7 +1,8 @@
-"""The load-test harness end to end: Locust against real servers, `make compare` in its quick form.
+"""The load-test tools end to end: Locust against real servers, `make compare` in its quick form.
 
 Timings on a shared 2-core machine are noise, so these tests check completeness (every stage,
-every profile, every figure present and positive), never speed.
+every profile, every figure present and positive) and that the words agree with the ratios, never
+speed.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ USER_CLASSES = (
     "OverloadUser",
     "ThinkingUser",
 )
-# The quick compare in `make test` (`--users 8`): one unique-text point, every other profile.
-TEST_PROFILES = ("unique-8", "repeated-32", "mixed-32", "waves-32", "overload-128")
 
 
 def _locust(
