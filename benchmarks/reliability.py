@@ -32,7 +32,7 @@ TESTS = ("test_bad_input.py", "test_fuzz_schema.py", "test_slow_clients.py", "te
 def run_tests(examples: int, junit: Path) -> list[dict[str, Any]]:
     """Every test of TESTS, run once: its file, name, outcome and what it recorded (always a stage)."""
     subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          f"--junitxml={junit}", *(f"tests/{name}" for name in TESTS)],
         cwd=evidence.REPO, env={**os.environ, "FUZZ_EXAMPLES": str(examples)}, check=False,
     )  # fmt: skip
