@@ -140,9 +140,9 @@ compare: setup tools
 bench: setup
 	$(PY) -m benchmarks.micro $(EVIDENCE) $(if $(COMPARE),--compare) $(ARGS)
 
-## soak: stage 5 + Redis at 70% of capacity for 10 minutes (SOAK_SECONDS=...; QUICK=1: 60 s at 50%)
+## soak: stage 5 + Redis, open loop at 70% of capacity for 3.5 minutes (SOAK_SECONDS=3600: an hour; QUICK=1: 60 s at 50%)
 soak: setup
-	$(PY) -m benchmarks.reliability.soak $(EVIDENCE) $(if $(SOAK_SECONDS),--duration $(SOAK_SECONDS)) $(ARGS)
+	$(PY) -m benchmarks.soak $(EVIDENCE) $(if $(SOAK_SECONDS),--duration $(SOAK_SECONDS)) $(ARGS)
 
 ## evidence-check: is docs/results/ current (stamped, clean, today's defaults), and is every prose number in it
 evidence-check: $(VENV)/.installed

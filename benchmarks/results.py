@@ -145,17 +145,18 @@ STEPS: tuple[Step, ...] = (
         1,
         0.6,
     ),
-    # the bad-input catalogue, the fuzzer and the faults against every stage (1.8 min last run)
+    # the four reliability test files: about 23 server starts (2.5 s each), 9 faults under load (5 to 7 s
+    # each), slow clients on 5 stages (4 s each), 250 bad inputs, schemathesis 50 examples (about 20 s)
     Step(
         "reliability",
-        "hostile input and faults, counted",
-        "benchmarks.reliability.reliability",
+        "hostile input and faults: the reliability tests, counted",
+        "benchmarks.reliability",
         ("reliability.json",),
+        3,
         2,
-        1.5,
     ),
-    # 600 s of soak (the chapter's ten minutes) after 3 x 4 s of capacity and the warm-up
-    Step("soak", "stage 5 with Redis for 10 minutes", "benchmarks.reliability.soak", ("soak.json",), 11, 1.5),
+    # 210 s of open-loop load after a server start, the largest batches and 1 + 3 x 4 s of wrk
+    Step("soak", "stage 5 with Redis, open loop", "benchmarks.soak", ("soak.json",), 4, 1.5),
     # plain stage 5, the cluster with 1 and 2 replicas: capacity and a flood, 15 s a point (3.8 min)
     Step(
         "beyond",
@@ -219,14 +220,8 @@ PAGES: tuple[Page, ...] = (
         "benchmarks.screenshots:markdown",
         images=("locust_start.png", "locust_charts.png", "locust_statistics.png", "dashboard.png"),
     ),
-    Page("reliability.json", "reliability.md", "benchmarks.reliability.reliability:markdown"),
-    Page(
-        "soak.json",
-        "soak.md",
-        "benchmarks.reliability.soak:markdown",
-        "benchmarks.results:_draw_soak",
-        ("soak.png",),
-    ),
+    Page("reliability.json", "reliability.md", "benchmarks.reliability:markdown"),
+    Page("soak.json", "soak.md", "benchmarks.soak:markdown", "benchmarks.soak:plot", ("soak.png",)),
     Page("cost_model.json", "cost_model.md", "benchmarks.cost_model:markdown"),
     Page("before_after.json", "before_after.md", "benchmarks.compare:against_markdown"),
     Page("outputs.json", "outputs.md", "benchmarks.docs_outputs:markdown"),  # and outputs/<name>.txt
@@ -247,8 +242,6 @@ def _draw_quantization(result: dict[str, Any], img: Path) -> None:
     _function("benchmarks.quantization:plot")(result, img / "quantization.png")
 
 
-def _draw_soak(result: dict[str, Any], img: Path) -> None:
-    _function("benchmarks.reliability.soak:plot")(result, img / "soak.png")
 
 
 def render_page(page: Page, results: Path) -> str:

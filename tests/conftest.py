@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Callable, Iterator
@@ -85,6 +86,18 @@ def stage_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
             return server
 
         yield get
+
+
+@pytest.fixture
+def observe(record_property: Callable[[str, object], None]) -> Callable[..., None]:
+    """``observe(stage=..., lost=0)``: what a test saw, kept as JSON in its JUnit XML properties.
+    ``python -m benchmarks.reliability`` runs the reliability tests and writes these as the docs' counts."""
+
+    def record(**values: object) -> None:
+        for name, value in values.items():
+            record_property(name, json.dumps(value))
+
+    return record
 
 
 # --- Redis (stage 4 and later): real servers, never a mock ------------------------
