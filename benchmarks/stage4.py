@@ -1,6 +1,6 @@
 """`make results ONLY=stage4`: the stage 4 measurements (stage4.json and stage4.md).
 
-    python -m benchmarks.stage4            # about 3.5 minutes (--quick: about 2, --record: docs/results/)
+    python -m benchmarks.stage4            # about 3 minutes (--quick: about 1.5, --record: docs/results/)
 
 1. A Redis tier at a distance: the lesson's client (CACHE_CLIENT=per-command) and the pooled one,
    plain and TLS, near and 30 ms away (``loadtests.delay_relay``); and no cache at all.
