@@ -81,20 +81,14 @@ STEPS: tuple[Step, ...] = (
         4,
         2,
     ),
+    # 19 servers; a Redis plain and TLS, near and 30 ms away (9 servers x 40 requests in turn and 80
+    # from 8 clients), 2 x 400 requests from 32 clients, the seed's workloads, 7 flood points of 8 s
+    # (2.6 min in a full run into out/ on a shared machine)
     Step(
         "stage4",
-        "stage 4: cache tiers, repeats, overload, a flood",
+        "stage 4: Redis at a distance, the lookup's bound, repeats, overload, a flood",
         "benchmarks.stage4",
         ("stage4.json",),
-        5,
-        2,
-    ),
-    # 9 servers x (warm-up, 60 requests in turn, 120 from 8 clients), Redis plain and TLS, near and far
-    Step(
-        "cache-distance",
-        "stage 4: a Redis tier at a distance, per-command and pooled",
-        "benchmarks.cache_distance",
-        ("cache_distance.json",),
         3,
         1.5,
     ),
@@ -212,7 +206,6 @@ PAGES: tuple[Page, ...] = (
     Page("stage2_threads.json", "stage2_threads.md", "benchmarks.stage2_threads:markdown"),
     Page("stage3.json", "stage3.md", "benchmarks.stage3:markdown"),
     Page("stage4.json", "stage4.md", "benchmarks.stage4:markdown"),
-    Page("cache_distance.json", "cache_distance.md", "benchmarks.cache_distance:markdown"),
     Page("compare.json", "compare.md", "benchmarks.compare:markdown"),
     Page(
         "screenshots.json",

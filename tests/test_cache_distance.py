@@ -2,13 +2,12 @@
 
 Real parts throughout: stage 4 over real sockets, a real redis-server of the test's own (plain
 or TLS, with a CA made on the spot), and ``loadtests.delay_relay`` for the distance. The
-measurement itself (per-command against pooled, near and far) is ``benchmarks.cache_distance``;
-its results file is checked at the end.
+measurement itself (per-command against pooled, near and far) is ``benchmarks.stage4``; its
+results are checked in ``test_stage4_results.py``.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -24,7 +23,6 @@ from common import corpus
 from loadtests.delay_relay import relay
 
 STAGE = "stage4_cache_backpressure"
-RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results" / "cache_distance.json"
 
 
 def _texts(n: int) -> list[str]:
@@ -113,33 +111,24 @@ def test_a_certificate_that_does_not_verify_is_said_at_startup_and_the_tier_is_o
             assert "does not verify" not in server.log()
 
 
-def test_a_slow_redis_never_adds_more_than_the_timeout(server_factory: Any, tmp_path: Path) -> None:
-    """A Redis 300 ms away, CACHE_TIMEOUT_MS=50: each request's own time, less its model time,
-    stays within the timeout (and a little for HTTP), new texts and repeats alike."""
-    timeout_ms = 50
+def test_a_slow_redis_adds_at_most_the_timeout_to_a_request(server_factory: Any, tmp_path: Path) -> None:
+    """A Redis 300 ms away, at the default CACHE_TIMEOUT_MS: sent in turns to this server and to one
+    without a cache, the same new text costs the first at most the timeout more beyond its model
+    time, give or take how much a request's time varies on the second (the bound is wall-clock
+    time on the event loop). The lookups did wait for the bound: the server counted timeouts."""
     with own_redis(tmp_path) as r, relay(r.port, 300) as port:
-        env = {"CACHE_URL": f"redis://127.0.0.1:{port}/0", "CACHE_TIMEOUT_MS": str(timeout_ms)}
-        with server_factory(STAGE, env) as server:
-            overheads = []
+        far = {"CACHE_URL": f"redis://127.0.0.1:{port}/0"}
+        with server_factory(STAGE, far) as slow, server_factory(STAGE, {"CACHE_ENABLED": "false"}) as plain:
+            timeout_ms = httpx.get(f"{slow.url}/v1/cache/metrics").json()["config"]["redis"]["timeout_ms"]
+            total: dict[str, list[float]] = {"slow": [], "plain": []}  # x-total-time
+            beyond: dict[str, list[float]] = {"slow": [], "plain": []}  # ... less x-inference-time
             for text in _texts(12):
-                response = _embed(server.url, text)
-                total = float(response.headers["x-total-time"])
-                overheads.append(total - float(response.headers["x-inference-time"]))
-    assert max(overheads) < timeout_ms + 40, overheads
-
-
-def test_the_results_file_has_the_rows_the_chapter_reads() -> None:
-    result = json.loads(RESULTS.read_text())
-    rows = result["rows"]
-    keys = {"client", "tls", "rtt_ms", "hit_ms", "miss_ms", "req_s"}
-    assert all(set(row) == keys for row in rows)
-    kinds = {
-        (client, tls, rtt)
-        for client in ("per-command", "pooled")
-        for tls in (False, True)
-        for rtt in (0.0, 30.0)
-    }
-    assert {(row["client"], row["tls"], row["rtt_ms"]) for row in rows} == kinds
-    far = {row["client"]: row for row in rows if row["tls"] and row["rtt_ms"] >= 20}
-    assert far["per-command"]["hit_ms"] >= 2 * far["pooled"]["hit_ms"]
-    assert far["per-command"]["hit_ms"] > result["no_cache_ms"]  # the cache slower than no cache
+                for name, server in (("slow", slow), ("plain", plain)):
+                    headers = _embed(server.url, text).headers  # a 200: never an error
+                    total[name].append(float(headers["x-total-time"]))
+                    beyond[name].append(total[name][-1] - float(headers["x-inference-time"]))
+            timeouts = httpx.get(f"{slow.url}/v1/cache/metrics").json()["cache"]["errors"].get("timeout", 0)
+    assert timeouts >= 3, timeouts  # three in a row, then the tier backs off
+    added = [s - p for s, p in zip(beyond["slow"], beyond["plain"], strict=True)]
+    jitter = max(total["plain"]) - min(total["plain"])
+    assert max(added) <= timeout_ms + jitter, (timeout_ms, jitter, added)
