@@ -2,8 +2,8 @@
 
 One connection pool for the process (opened in ``start``, closed in ``close``, both called
 from the app's lifespan), MGET for lookups, one pipeline of ``SET EX`` for writes, written
-behind the answer (a request never waits for its write). A Redis that is down, slow
-(CACHE_TIMEOUT_MS) or returns garbage costs a miss, a counted error and at most one log line
+behind the answer (a request never waits for its write, which is bounded by the socket's
+timeout instead). A Redis that is down, slow (CACHE_TIMEOUT_MS) or returns garbage costs a miss, a counted error and at most one log line
 per interval; the tier backs off briefly and then recovers by itself. A ``rediss://`` URL
 verifies the server's certificate (against CACHE_CA_FILE when set); one that does not verify is
 reported at startup and the tier is off: nothing can make it verify later.
@@ -39,7 +39,7 @@ log = logging.getLogger("embedserve.cache")
 
 # --8<-- [start:redis]
 class RedisCache:
-    """The shared tier. Every call is bounded by CACHE_TIMEOUT_MS and fails open."""
+    """The shared tier. Every lookup is bounded by CACHE_TIMEOUT_MS, and everything fails open."""
 
     def __init__(
         self,
@@ -177,7 +177,9 @@ class RedisCache:
         if self.client is None or not items or time.monotonic() < self._down_until:
             return
         try:
-            async with asyncio.timeout(self.timeout_s):
+            # No request waits for a write, so it gets the socket's bound, not the lookup's: on a
+            # busy event loop a reply read late would otherwise lose the write.
+            async with asyncio.timeout(max(self.timeout_s, 1.0)):
                 async with self.client.pipeline(transaction=False) as pipe:
                     for key, value in items.items():
                         pipe.set(key, value, ex=self.ttl_s)
