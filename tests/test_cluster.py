@@ -55,6 +55,7 @@ from loadtests.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TEMP_DIR = "/tmp/ray-estest"  # not /tmp/ray-embedserve: a reader's `make cluster` may be up
+DEADLINE_S = 10.0
 DESIGNS = {
     "whole": REPO / "deploy" / "ray" / "serve.yaml",
     "composed": REPO / "deploy" / "ray" / "composed.yaml",
@@ -135,7 +136,10 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             "CLUSTER_STATE_FILE": str(work / "state.json"),
             "CLUSTER_CONFIG": str(DESIGNS[request.param]),
             "CACHE_URL": redis_url,  # one tier for both replicas
-            "REQUEST_TIMEOUT_S": "5",  # every request's deadline (the node-kill test counts on it)
+            # Every request's deadline (the node-kill test counts on it), above the time Ray takes to
+            # report a killed actor to its callers (about 5 s seen here): a request in flight on the
+            # lost node gets its retryable 503 then, not a 504 (composed: the ingress's deadline).
+            "REQUEST_TIMEOUT_S": str(DEADLINE_S),
         }
         ports = {"gcs_port": env["CLUSTER_GCS_PORT"], "dashboard_port": env["CLUSTER_DASHBOARD_PORT"]}
         cs = ClusterSettings(temp_dir=Path(TEMP_DIR), state_file=work / "state.json", **ports)
@@ -260,7 +264,7 @@ def test_prometheus_scrapes_every_replica_with_the_shipped_config(cluster: Clust
 # --- 4. refusals under a flood ---------------------------------------------------------------------
 async def _flood(url: str, n: int, texts: int) -> list[httpx.Response]:
     # Fresh texts in every request: the same texts in flight at once would be computed once (stage 4).
-    # A deadline of their own: the cluster's 5 s (REQUEST_TIMEOUT_S) is the node-kill test's, and on a
+    # A deadline of their own: the cluster's (REQUEST_TIMEOUT_S) is the node-kill test's, and on a
     # shared machine an admitted request may pass it; this test is about the queue.
     bodies = [{"inputs": [" ".join(fresh_texts(8)) for _ in range(texts)]} for _ in range(n)]
     headers = {"x-request-timeout": "60"}
@@ -379,9 +383,9 @@ def test_killing_the_worker_node_under_load(cluster: Cluster) -> None:
     failed = [o for o in firsts if o.status != 200]
     counts = _count(firsts)
     print(f"node kill: {len(firsts)} requests {counts}; {len(retries)} retried {_count(retries)}")
-    # Every request got an answer, none waited past its deadline (5 s) by much.
+    # Every request got an answer, none waited past its deadline by much.
     assert all(o.status != 0 for o in firsts + retries), [o for o in firsts + retries if o.status == 0]
-    assert max(o.seconds for o in firsts) < 5.0 + 2.0
+    assert max(o.seconds for o in firsts) < DEADLINE_S + 2.0
     # Only what the dead node held failed, each with a retryable status and Retry-After.
     assert len(failed) <= clients
     assert all(o.status in (503, 429) and o.retry_after for o in failed), failed
