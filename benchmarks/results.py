@@ -170,10 +170,11 @@ STEPS: tuple[Step, ...] = (
     ),
     # 600 s of soak (the chapter's ten minutes) after 3 x 4 s of capacity and the warm-up
     Step("soak", "stage 5 with Redis for 10 minutes", "benchmarks.reliability.soak", ("soak.json",), 11, 1.5),
-    # plain stage 5, the cluster with 1 and 2 replicas: capacity and a flood, 15 s a point (3.8 min)
+    # plain stage 5, 2 workers, the cluster's two designs on one cluster start-up (about 1.5 min of
+    # it): a warm-up and 3 points of 8 s each a setup
     Step(
         "beyond",
-        "stage 5 on the Ray cluster against plain stage 5 (the [cluster] extra)",
+        "stage 5 as 2 workers and on the Ray cluster, both designs, against plain stage 5 ([cluster] extra)",
         "benchmarks.beyond",
         ("beyond.json",),
         4,
