@@ -1,32 +1,33 @@
-"""`make results ONLY=beyond`: stage 5 on the Ray cluster against plain stage 5, here (docs/beyond.md).
+"""`make results ONLY=beyond`: four ways to serve stage 5 on this machine, in one run (docs/beyond.md).
 
-    python -m benchmarks.beyond            # about 6 minutes
-    python -m benchmarks.beyond --quick    # about 3 minutes, seconds per point
-    python -m benchmarks.beyond --record   # written to docs/results/beyond.json and .md
+    python -m benchmarks.beyond            # about 4 minutes
+    python -m benchmarks.beyond --quick    # about 3 minutes: the cluster's start-up is most of it
 
-Three setups, one after the other (never side by side on 2 cores), each started as a reader
-starts it (``make stage5``, ``make cluster``) with the same small queue:
+One after the other (never side by side on 2 cores), each started as a reader starts it, all with
+the same small queue and one private Redis tier (CACHE_URL):
 
-* ``stage5``: one process;
-* ``ray-1``: one Ray node, one replica (the proxy in front of it);
-* ``ray-2``: two Ray nodes on this machine, one replica each.
+* ``stage5``: ``make stage5``, one process;
+* ``workers`` (c): ``WORKERS=2 make stage5``, two uvicorn workers on one socket, a model each;
+* ``whole`` (a): ``make cluster``, two Ray nodes, one replica of the whole stage 5 on each;
+* ``composed`` (b): ``deploy/ray/composed.yaml`` deployed on the same nodes: an ingress and a
+  ``@serve.batch`` model deployment on each node, called through a handle.
 
-For each, two measurements with the light load kit (``loadtests.httpload``), one new sentence per
-request so no cache answers:
-
-1. capacity: a closed loop of 32 connections: requests/s, p50/p99, and the CPU every process of
-   the setup used per request (for the cluster: replicas, proxy, and the rest of Ray);
-2. a flood of 200 connections: the 200s per second as a share of that capacity (goodput), with
-   clients that send again at once after a refusal, and clients that wait its Retry-After.
+Each answers, with wrk and one new sentence per request (no cache hit): p50 at one connection;
+capacity at 32 connections, with the CPU each process spent a request (by role: Ray's proxy, the
+process that answers, Ray's model replica, the rest) and each process's memory (RSS); a flood of
+200 connections against the small queue. Ray's processes are found by Ray's state API.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import json
+import math
 import os
 import subprocess
+import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,243 +39,256 @@ import yaml
 
 from common.corpus import texts as corpus_texts
 from loadtests import evidence
-from loadtests.httpload import closed_loop, percentile_ms, post_requests
-from loadtests.procs import free_port, running_stage
+from loadtests.load import settle, wrk
+from loadtests.procs import free_port, redis_server, running_stage
 from loadtests.tables import num, page, table
 
 REPO = evidence.REPO
-MAX_QUEUE = 64  # texts one server (one replica) holds before refusing: small against 200 connections
-# Requests Serve hands one replica: more than it admits (its queue, a batch, those being read), so
-# the replica's own queue refuses first, as deploy/ray/serve.yaml has it.
-REPLICA_ROOM = 4 * MAX_QUEUE
-CAPACITY_CLIENTS = 32
-FLOOD_CLIENTS = 200
-# Requests Ray's proxy holds while it picks a replica (serve.yaml's max_queued_requests). Past it
-# Ray refuses by itself, in plain text, even with room in the replicas (a burst waits there for a
-# moment); as many as there are clients, so that never happens and every refusal is a replica's.
-PROXY_QUEUE = FLOOD_CLIENTS
-TEMP_DIR = Path("/tmp/ray-esbench")
-SETUPS = ("stage5", "ray-1", "ray-2")
+SETUPS = ("stage5", "workers", "whole", "composed")
+LABELS = {"stage5": "stage 5", "workers": "(c) workers", "whole": "(a) whole", "composed": "(b) composed"}
+MAX_QUEUE = 64  # texts one server (a worker, a replica, an ingress) holds before refusing
+CAPACITY_CLIENTS, FLOOD_CLIENTS, WORKERS = 32, 200, 2
 SERVER_ENV = {"MAX_QUEUE": str(MAX_QUEUE), "LOG_LEVEL": "WARNING"}
+# Serve hands a replica more than it admits, and Ray's proxy queue holds a request a client: every
+# refusal is then the server's own (deploy/ray/serve.yaml says why).
+RAY_ARGS = {"max_ongoing_requests": 4 * MAX_QUEUE, "max_queued_requests": FLOOD_CLIENTS + 56}
+CONFIGS = {"whole": REPO / "deploy/ray/serve.yaml", "composed": REPO / "deploy/ray/composed.yaml"}
+ROLES = ("proxy", "front", "model", "rest")  # front: the process that answers HTTP (in (b) only, no model)
 
 
-# --- the setups -----------------------------------------------------------------------------------
+# --- the setups: a URL and the processes of each role ------------------------------------------
+Roles = dict[str, list[psutil.Process]]
+
+
 @contextmanager
-def setup(name: str, logs: Path) -> Iterator[tuple[int, list[psutil.Process]]]:
-    """Start one setup; yield its port and a way to find all its processes."""
-    if name == "stage5":
-        with running_stage("stage5_metrics", logs, SERVER_ENV) as server:
-            yield server.port, [psutil.Process(server.pid)]
-        return
-    replicas = int(name.split("-")[1])
-    port = free_port()
-    config = yaml.safe_load((REPO / "deploy" / "ray" / "serve.yaml").read_text())
-    args = {"replicas": replicas, "max_ongoing_requests": REPLICA_ROOM, "max_queued_requests": PROXY_QUEUE}
-    config["applications"][0]["args"].update(args)
-    (logs / f"{name}-serve.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+def stage5(logs: Path, redis_url: str, workers: int) -> Iterator[tuple[str, Any]]:
+    env = {**SERVER_ENV, "CACHE_URL": redis_url, "WORKERS": str(workers)}
+    with running_stage("stage5_metrics", logs, env) as server:
+        settle(server.pid, server.url)  # every worker's model loaded, not only the first one's
+        top = psutil.Process(server.pid)
+
+        def roles() -> Roles:  # a worker is a multiprocessing child; the supervisor only watches them
+            kids = top.children()
+            front = [p for p in kids if "spawn_main" in " ".join(p.cmdline())] or [top]
+            rest = [p for p in [top, *kids] if p not in front]
+            return {"front": front, **({"rest": rest} if rest else {})}
+
+        yield server.url, roles
+
+
+@contextmanager
+def cluster(logs: Path, redis_url: str) -> Iterator[tuple[str, dict[str, str]]]:
+    """``make cluster`` with the whole design's config, on free ports; ``make cluster-down`` after."""
     env = {
-        **os.environ,
-        **SERVER_ENV,
-        "HOST": "127.0.0.1",
-        "PORT": str(port),
-        "CLUSTER_NODES": str(replicas),
-        "CLUSTER_CONFIG": str(logs / f"{name}-serve.yaml"),
-        "CLUSTER_GCS_PORT": str(free_port()),
-        "CLUSTER_DASHBOARD_PORT": str(free_port()),
-        "CLUSTER_TEMP_DIR": str(TEMP_DIR),
-        "CLUSTER_STATE_FILE": str(logs / f"{name}-state.json"),
-    }
+        **os.environ, **SERVER_ENV, "CACHE_URL": redis_url, "HOST": "127.0.0.1", "PORT": str(free_port()),
+        "CLUSTER_GCS_PORT": str(free_port()), "CLUSTER_DASHBOARD_PORT": str(free_port()),
+        "CLUSTER_TEMP_DIR": "/tmp/ray-esbench", "CLUSTER_STATE_FILE": str(logs / "cluster-state.json"),
+        "CLUSTER_CONFIG": str(config(logs, "whole")),
+    }  # fmt: skip
     up = subprocess.run(["make", "cluster"], cwd=REPO, env=env, capture_output=True, text=True)
     try:
         if up.returncode != 0:
             raise RuntimeError(f"make cluster failed:\n{up.stdout[-2000:]}\n{up.stderr[-2000:]}")
-        yield port, cluster_processes(str(TEMP_DIR), f"127.0.0.2:{env['CLUSTER_GCS_PORT']}")
+        yield f"http://127.0.0.1:{env['PORT']}", env
     finally:
         subprocess.run(["make", "cluster-down"], cwd=REPO, env=env, capture_output=True, text=True)
 
 
-def cluster_processes(*marks: str) -> list[psutil.Process]:
-    """Every process of the cluster: those whose command line names its session folder or GCS
-    address, and what they started (Ray renames its workers `ray::...`)."""
-    found = {}
-    for proc in psutil.process_iter():
-        try:
-            if any(mark in " ".join(proc.cmdline()) for mark in marks):
-                found[proc.pid] = proc
-                found.update({child.pid: child for child in proc.children(recursive=True)})
-        except psutil.Error:
-            continue
-    return list(found.values())
+def config(logs: Path, design: str) -> Path:
+    """The design's Serve config file, with the benchmark's queue sizes."""
+    data = yaml.safe_load(CONFIGS[design].read_text())
+    data["applications"][0]["args"].update(RAY_ARGS)
+    path = logs / f"{design}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
 
 
-def _role(proc: psutil.Process) -> str:
-    try:
-        title = " ".join(proc.cmdline())
-    except psutil.Error:
-        return "gone"
-    if "ServeReplica" in title or "stage5" in title:
-        return "replicas"
-    if "ProxyActor" in title:
-        return "proxy"
-    return "ray"
+def redeploy(env: dict[str, str], logs: Path, design: str) -> None:
+    command = [sys.executable, "-m", "deploy.ray.cluster", "redeploy"]
+    subprocess.run(command, cwd=REPO, env={**env, "CLUSTER_CONFIG": str(config(logs, design))}, check=True)
 
 
-class CpuMeter:
-    """CPU seconds of a set of processes between two readings, by role."""
+def ray_roles(env: dict[str, str]) -> Roles:
+    """Every process of the nodes (each `ray start` and all it started), each actor's role from Ray's
+    state API (the proxy, the replicas; the rest: raylets, GCS, dashboard, agents, controller)."""
+    from ray.util.state import list_actors
 
-    def __init__(self, procs: list[psutil.Process]) -> None:
-        self.procs = procs
-        self.start = self._read()
-
-    def _read(self) -> dict[int, tuple[str, float]]:
-        out = {}
-        for proc in self.procs:
-            try:
-                t = proc.cpu_times()
-                out[proc.pid] = (_role(proc), t.user + t.system + t.children_user + t.children_system)
-            except psutil.Error:
-                continue
-        return out
-
-    def used(self) -> dict[str, float]:
-        end, by_role = self._read(), dict[str, float]()
-        for pid, (role, cpu) in end.items():
-            if pid in self.start:
-                by_role[role] = by_role.get(role, 0.0) + cpu - self.start[pid][1]
-        return by_role
+    address = f"http://127.0.0.2:{env['CLUSTER_DASHBOARD_PORT']}"
+    role = {}
+    for actor in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000):
+        name = actor.class_name
+        if name == "ProxyActor" or name.startswith("ServeReplica"):
+            role[actor.pid] = (
+                "proxy" if name == "ProxyActor" else "model" if name.endswith(":model") else "front"
+            )
+    state = json.loads(Path(env["CLUSTER_STATE_FILE"]).read_text())
+    out: Roles = {}
+    for pid in state["nodes"].values():
+        node = psutil.Process(pid)
+        for proc in [node, *node.children(recursive=True)]:
+            out.setdefault(role.get(proc.pid, "rest"), []).append(proc)
+    return out
 
 
-# --- the loads ------------------------------------------------------------------------------------
+# --- what is measured ----------------------------------------------------------------------------
+def cpu(roles: Roles) -> dict[str, float]:
+    """CPU seconds so far of each role's processes (one process each, not its children)."""
+    out = dict.fromkeys(roles, 0.0)
+    for role, procs in roles.items():
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                out[role] += times.user + times.system
+    return out
+
+
+def rss_mb(roles: Roles) -> dict[str, float]:
+    """Resident memory: one process of each role on average (MB), and all the setup's together."""
+    sizes: dict[str, list[int]] = {}
+    for role, procs in roles.items():
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                sizes.setdefault(role, []).append(proc.memory_info().rss)
+    out = {role: round(sum(s) / len(s) / 2**20, 1) for role, s in sizes.items() if role in ("front", "model")}
+    return {**out, "all": round(sum(sum(s) for s in sizes.values()) / 2**20, 1)}
+
+
 def bodies(n: int, seed: int) -> list[bytes]:
     return [orjson.dumps({"inputs": [t]}) for t in corpus_texts(n, seed=seed, kind="mixed")]
 
 
-def capacity(port: int, procs: list[psutil.Process], seconds: float, seed: int) -> dict[str, Any]:
-    # Every text new to the server, the warm-up's too (other seeds): no answer may be a cache hit.
-    # More texts than the fastest setup can send in the time, so no client comes round to one again.
-    warmup = post_requests("/v1/embed", bodies(3000, seed + 10_000))
-    requests = post_requests("/v1/embed", bodies(int(2000 * seconds), seed))
-    asyncio.run(closed_loop("127.0.0.1", port, warmup, CAPACITY_CLIENTS, seconds=min(3.0, seconds)))
-    meter, me = CpuMeter(procs), psutil.Process()
-    client_cpu = sum(me.cpu_times()[:2])
-    answers = asyncio.run(closed_loop("127.0.0.1", port, requests, CAPACITY_CLIENTS, seconds=seconds))
-    used = meter.used()
-    ok = [a.ms for a in answers if a.status == 200]
-    cpu = sum(used.values())
-    return {
-        "requests_per_s": round(len(ok) / seconds, 1),
-        "p50_ms": percentile_ms(ok, 50),
-        "p99_ms": percentile_ms(ok, 99),
-        "errors": len(answers) - len(ok),
-        "server_cores": round(cpu / seconds, 2),
-        "cpu_ms_per_request": round(1e3 * cpu / max(len(ok), 1), 2),
-        "cpu_ms_by_role": {k: round(1e3 * v / max(len(ok), 1), 2) for k, v in sorted(used.items())},
-        "client_cores": round((sum(me.cpu_times()[:2]) - client_cpu) / seconds, 2),
-    }
+def measure(url: str, find: Any, seconds: float, seed: int) -> dict[str, Any]:
+    """Warm-up, capacity at 32 connections (with CPU and memory), p50 at one, then the flood."""
+    wrk(url, bodies(1500, seed), CAPACITY_CLIENTS, min(2.0, seconds))
+    roles = find()
+    before = cpu(roles)
+    cap = wrk(url, bodies(int(400 * seconds), seed + 1), CAPACITY_CLIENTS, seconds)
+    used, served = cpu(roles), cap["requests_per_s"] * max(1, math.ceil(seconds))  # wrk's whole seconds
+    cap["cpu_ms"] = {r: round(1e3 * (used[r] - before[r]) / max(served, 1), 2) for r in roles}
+    cap["cpu_ms"]["total"] = round(sum(cap["cpu_ms"].values()), 2)
+    cap["rss_mb"], cap["processes"] = rss_mb(roles), {r: len(p) for r, p in roles.items()}
+    time.sleep(1)  # the last answers of the closed loop
+    one = wrk(url, bodies(int(200 * seconds), seed + 2), 1, seconds)
+    flood = wrk(url, bodies(int(3000 * seconds), seed + 3), FLOOD_CLIENTS, seconds)
+    rps = cap["requests_per_s"]
+    flood["of_capacity"] = round(flood["requests_per_s"] / rps, 4) if rps else None
+    return {"capacity": cap, "one": one, "flood": flood}
 
 
-def flood(port: int, seconds: float, seed: int, polite: bool, capacity_rps: float) -> dict[str, Any]:
-    requests = post_requests("/v1/embed", bodies(int(2000 * seconds), seed))
-    answers = asyncio.run(
-        closed_loop("127.0.0.1", port, requests, FLOOD_CLIENTS, seconds=seconds, honour_retry_after=polite)
-    )
-    ok = [a.ms for a in answers if a.status == 200]
-    statuses: dict[str, int] = {}
-    for a in answers:
-        statuses[str(a.status)] = statuses.get(str(a.status), 0) + 1
-    return {
-        "clients": "wait Retry-After" if polite else "send again at once",
-        "goodput_per_s": round(len(ok) / seconds, 1),
-        "of_capacity": round(len(ok) / seconds / capacity_rps, 4) if capacity_rps else None,
-        "refused_per_s": round(sum(v for k, v in statuses.items() if k in ("429", "503")) / seconds, 1),
-        "statuses": dict(sorted(statuses.items())),
-        "p99_ok_ms": percentile_ms(ok, 99),
-    }
+def run_all(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with redis_server() as redis:
+        for i, name in enumerate(s for s in args.setups if s in ("stage5", "workers")):
+            print(f"{name}: measuring", flush=True)
+            with stage5(logs, redis.url, WORKERS if name == "workers" else 1) as (url, find):
+                out[name] = measure(url, find, args.duration, 1000 * (i + 1))
+        designs = [s for s in args.setups if s in ("whole", "composed")]
+        if designs:
+            with cluster(logs, redis.url) as (url, env):
+                for i, name in enumerate(designs):
+                    if name != "whole":
+                        redeploy(env, logs, name)
+                    print(f"{name}: measuring", flush=True)
+                    out[name] = measure(url, lambda env=env: ray_roles(env), args.duration, 5000 + 1000 * i)
+    return {name: out[name] for name in args.setups}
 
 
-def measure(args: argparse.Namespace, run: evidence.Run) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "duration_s": args.duration,
-        "max_queue": MAX_QUEUE,
-        "max_ongoing_requests": REPLICA_ROOM,
-        "proxy_queue": PROXY_QUEUE,
-        "capacity_clients": CAPACITY_CLIENTS,
-        "flood_clients": FLOOD_CLIENTS,
-        "setups": {},
-    }
-    logs = run.logs("beyond")
-    for i, name in enumerate(args.setups):
-        print(f"{i + 1}/{len(args.setups)} {name}", flush=True)
-        with setup(name, logs) as (port, procs):
-            cap = capacity(port, procs, args.duration, seed=100 + i)
-            rps = cap["requests_per_s"]
-            impatient = flood(port, args.duration, 200 + i, polite=False, capacity_rps=rps)
-            polite = flood(port, args.duration, 300 + i, polite=True, capacity_rps=rps)
-        out["setups"][name] = {"capacity": cap, "flood": [impatient, polite]}
-        print(json.dumps(out["setups"][name]), flush=True)
-    base = out["setups"].get("stage5", {}).get("capacity", {}).get("requests_per_s")
-    for result in out["setups"].values():
-        result["capacity"]["over_stage5"] = (
-            round(result["capacity"]["requests_per_s"] / base, 4) if base else None
+# --- the page ------------------------------------------------------------------------------------
+def _against(values: dict[str, float], best: str, unit: str, digits: int) -> str:
+    """``best``'s value, then each other one as a multiple of it."""
+    others = "; ".join(f"{LABELS[n]} {v / values[best]:.2f}× that" for n, v in values.items() if n != best)
+    return f"{LABELS[best]}, {num(values[best], digits)} {unit}; {others}."
+
+
+def verdict(s: dict[str, Any]) -> list[str]:
+    """When each wins, in sentences generated from the numbers (every word beside its ratio)."""
+    cap = {n: r["capacity"]["requests_per_s"] for n, r in s.items()}
+    p50 = {n: r["one"]["p50_ms"] for n, r in s.items()}
+    lines = [
+        f"- **Capacity** (32 connections), the most: {_against(cap, max(cap, key=cap.get), 'req/s', 0)}",
+        f"- **Latency** (one connection), the lowest p50: {_against(p50, min(p50, key=p50.get), 'ms', 1)}",
+    ]
+    alone = s["stage5"]["capacity"]["cpu_ms"]["total"] if "stage5" in s else None
+    for n in ("workers", "whole", "composed"):
+        ms = s.get(n, {}).get("capacity", {}).get("cpu_ms")
+        if ms and alone:
+            proxy = f"; Ray's proxy alone {num(ms.get('proxy'), 1)} ms" if "proxy" in ms else ""
+            total = f"{num(ms['total'], 1)} ms, {ms['total'] / alone:.2f}× plain stage 5's {num(alone, 1)} ms"
+            lines.append(f"- **CPU a request**, {LABELS[n]}: {total}{proxy}.")
+    mem = {n: r["capacity"]["rss_mb"]["all"] for n, r in s.items()}
+    lines.append(f"- **Memory**, all processes, the least: {_against(mem, min(mem, key=mem.get), 'MB', 0)}")
+    kept = {n: r["flood"]["of_capacity"] or 0.0 for n, r in s.items()}
+    best = max(kept, key=kept.get)
+    others = "; ".join(f"{LABELS[n]} {v:.0%}" for n, v in kept.items() if n != best)
+    flood = f"- **Flood** ({FLOOD_CLIENTS} connections, MAX_QUEUE={MAX_QUEUE}), the largest share of"
+    lines.append(f"{flood} its capacity kept in 200s: {LABELS[best]}, {kept[best]:.0%}; {others}.")
+    if "whole" in cap and "composed" in cap:
+        ratio = cap["composed"] / cap["whole"]
+        lines.append(
+            f"- **(b) against (a)** on one machine: {ratio:.2f}× the capacity, so (b)"
+            f" {'wins' if ratio > 1 else 'loses'} here; what it buys is elsewhere: its model and its"
+            " HTTP side scale each on its own, on machines of their own."
         )
-    return out
+    return lines
 
 
-# --- the page -------------------------------------------------------------------------------------
 def markdown(result: dict[str, Any]) -> str:
-    setups = result["setups"]
-    cap_rows = []
-    for name, r in setups.items():
-        c = r["capacity"]
-        roles = c["cpu_ms_by_role"]
-        cap_rows.append((
-            name, num(c["requests_per_s"], 0), f"{c['over_stage5']:.2f}×", num(c["p50_ms"], 1),
-            num(c["p99_ms"], 1), num(c["cpu_ms_per_request"], 2), num(roles.get("replicas"), 2),
-            num(roles.get("proxy"), 2), num(roles.get("ray"), 2), num(c["server_cores"], 2),
-        ))  # fmt: skip
-    capacity_table = table(
-        ["setup", "req/s", "of stage5", "p50 ms", "p99 ms", "CPU ms/request", "replicas", "proxy",
-         "rest of Ray", "server cores"],
-        cap_rows,
-        align="lrrrrrrrrr",
-    )  # fmt: skip
-    flood_rows = []
-    for name, r in setups.items():
-        for f in r["flood"]:
-            flood_rows.append((
-                name, f["clients"], num(f["goodput_per_s"], 0), f"{100 * f['of_capacity']:.0f} %",
-                num(f["refused_per_s"], 0), num(f["p99_ok_ms"], 0),
-                ", ".join(f"{k}: {v}" for k, v in f["statuses"].items()),
-            ))  # fmt: skip
-    flood_table = table(
-        ["setup", "clients after a refusal", "200s/s", "of capacity", "refusals/s", "p99 of 200s ms",
-         "answers"],
-        flood_rows,
-        align="llrrrrl",
-    )  # fmt: skip
+    s = result["setups"]
+    base = s.get("stage5", {}).get("capacity", {}).get("requests_per_s")
+    capacity, cost, flood = [], [], []
+    for n, r in s.items():
+        c, f, one = r["capacity"], r["flood"], r["one"]
+        of = f"{c['requests_per_s'] / base:.2f}×" if base else "–"
+        capacity.append(
+            [LABELS[n], num(c["requests_per_s"], 0), of, num(one["p50_ms"], 1), num(c["p99_ms"], 1)]
+        )
+        ms, mb, count = c["cpu_ms"], c["rss_mb"], c["processes"]
+        model = f"{num(mb['model'], 0)} (×{count['model']})" if "model" in mb else "–"
+        cpu_cells = [num(ms.get(role), 2) for role in ROLES]
+        front = f"{num(mb['front'], 0)} (×{count['front']})"
+        cost.append([LABELS[n], num(ms["total"], 2), *cpu_cells, front, model, num(mb["all"], 0)])
+        share = f"{100 * (f['of_capacity'] or 0):.0f} %"
+        flood.append(
+            [LABELS[n], num(f["requests_per_s"], 0), share, num(f["non_2xx_per_s"], 0), f["socket_errors"]]
+        )
+    sections = {
+        "capacity": table(
+            ["setup", "req/s, 32 conn.", "of stage 5", "p50 ms, 1 conn.", "p99 ms, 32 conn."], capacity
+        ),
+        "cost": table(
+            ["setup", "CPU ms/request", *ROLES, "MB a front process", "MB a model process", "MB in all"], cost
+        ),
+        "flood": table(["setup", "200s/s", "of capacity", "refusals/s", "socket errors"], flood),
+        "verdict": verdict(s),
+    }
     note = (
-        f"One new sentence per request, {result['duration_s']:g} s per point. Capacity: a closed loop of"
-        f" {result['capacity_clients']} connections. Flood: {result['flood_clients']} connections,"
-        f" MAX_QUEUE={result['max_queue']} texts per server (per replica), Ray's proxy queue"
-        f" {result['proxy_queue']} requests. Both Ray nodes share this machine's cores with the load"
-        " generator."
+        f"One new sentence per request (no cache hit), wrk, {result['duration_s']:g} s a point."
+        f" MAX_QUEUE={MAX_QUEUE} texts a server (a worker, a replica, an ingress); {WORKERS} workers in (c);"
+        f" Ray's proxy queue {RAY_ARGS['max_queued_requests']}. CPU by role: proxy (Ray's); front, the"
+        " process that answers HTTP (stage 5, a worker, a replica of (a), an ingress of (b)), which runs"
+        " the model too except in (b); model, a model replica of (b); rest, Ray's other processes or the"
+        " workers' supervisor. RSS counts shared pages in every process. Ray's nodes, wrk and Redis share"
+        " the cores."
     )
-    return page(result["stamp"], {"capacity": capacity_table, "flood": flood_table}, note) + "\n"
+    return page(result["stamp"], sections, note) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--duration", type=float, help="Seconds per point (default 15; quick 4).")
+    parser.add_argument("--duration", type=float, help="Seconds a point (default 8; quick 3).")
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
     parser.add_argument("--out", type=Path, help="Folder for beyond.json and .md.")
     evidence.add_arguments(parser)
     args = parser.parse_args(argv)
     run = evidence.start("benchmarks.beyond", args, argv)
-    args.duration = args.duration or (4.0 if args.quick else 15.0)
-    result = {"stamp": {}, **measure(args, run)}
-    result["stamp"] = run.stamp(SERVER_ENV)
+    args.duration = args.duration or (3.0 if args.quick else 8.0)
+    started = time.monotonic()
+    setups = run_all(args, run.logs("beyond"))
+    result = {"stamp": run.stamp(SERVER_ENV), "duration_s": args.duration, "setups": setups,
+              "max_queue": MAX_QUEUE, "workers": WORKERS, "ray_args": RAY_ARGS,
+              "seconds": round(time.monotonic() - started, 1)}  # fmt: skip
     evidence.publish(run, "beyond", result, markdown, args.out)
 
 

@@ -128,7 +128,8 @@ class Engine:
         return cls(
             settings.model_dir,
             variant=settings.model_variant,
-            intra_threads=settings.onnx_intra_threads or intra_threads_for(calls_at_once),
+            # with WORKERS processes, each has its share: the calls of all of them run at once
+            intra_threads=settings.onnx_intra_threads or intra_threads_for(calls_at_once * settings.workers),
             spinning=settings.onnx_spinning,
         )
 

@@ -54,11 +54,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     stage = resolve(args.stage)
     settings = get_settings()
-    print(f"{stage} listening on http://{settings.host}:{settings.port}", flush=True)
+    workers = f" ({settings.workers} worker processes)" if settings.workers > 1 else ""
+    print(f"{stage} listening on http://{settings.host}:{settings.port}{workers}", flush=True)
     uvicorn.run(
         f"{stage}.app:app",
         host=settings.host,
         port=settings.port,
+        workers=settings.workers,  # several: one socket, each process imports the app and loads the model
         # uvicorn's access log costs about as much as a small request; stage 5 logs requests itself.
         access_log=False,
         log_level=settings.log_level.lower(),

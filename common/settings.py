@@ -32,7 +32,8 @@ class Settings(BaseSettings):
         0,
         ge=0,
         description="ONNX Runtime intra-op threads per call (0: the cores shared out among the "
-        "model calls that run at once: WORKER_THREADS in stage 2, BATCH_CONCURRENCY in 3-5).",
+        "model calls that run at once: WORKER_THREADS in stage 2, BATCH_CONCURRENCY in 3-5, in each "
+        "of the WORKERS).",
     )
     onnx_spinning: bool = Field(
         False,
@@ -43,6 +44,13 @@ class Settings(BaseSettings):
     # --- HTTP server ------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address `make stageN` binds to.")
     port: int = Field(8000, description="Port `make stageN` binds to.")
+    workers: int = Field(
+        1,
+        ge=1,
+        description="Server processes on HOST:PORT (uvicorn's workers), each with its own model, cache, "
+        "queue and metrics; the cores are shared out among them (ONNX_INTRA_THREADS=0) and only the "
+        "Redis tier (CACHE_URL) is common (measured in the Beyond one machine chapter).",
+    )
 
     # --- request limits (the API contract) --------------------------------
     max_items: int = Field(64, ge=1, description="Most texts in one request.")

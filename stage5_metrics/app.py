@@ -123,8 +123,12 @@ class MetricsBackend(stage4.CacheBackend):
     # --8<-- [end:stage_counts]
 
 
+# The backend from what stage 5 hands it (a subclass may run the model elsewhere: deploy/ray/composed.py).
+BackendFactory = Callable[[Engine, Settings, Metrics, Window, Callable[[], None]], MetricsBackend]
+
+
 # --8<-- [start:app]
-def build_app(settings: Settings | None = None) -> FastAPI:
+def build_app(settings: Settings | None = None, backend: BackendFactory = MetricsBackend) -> FastAPI:
     settings = settings or get_settings()
     # NEW: JSON lines for ours and uvicorn's (uvicorn sets up its loggers before it imports the app).
     configure_logging(settings)
@@ -132,7 +136,7 @@ def build_app(settings: Settings | None = None) -> FastAPI:
     window = Window(metrics)  # NEW: its values every second, for the JSON views and the page
 
     def make_backend(engine: Engine, s: Settings, on_drain: Callable[[], None]) -> MetricsBackend:
-        return MetricsBackend(engine, s, metrics, window, on_drain)
+        return backend(engine, s, metrics, window, on_drain)
 
     app = stage4.build_app(settings, make_backend, "stage5_metrics", __doc__ or "")  # stage 4's app
     add_dashboard_routes(app, metrics, window)  # NEW: /metrics, /v1/metrics, /v1/dashboard, /dashboard

@@ -1,7 +1,10 @@
 """Stage 5 on a real two-node Ray cluster on this machine (``make cluster``), tested as a client sees it.
 
-One cluster for the module: started with ``make cluster`` (the reader's command), on free ports,
-with the Redis tier shared by both replicas, stopped with ``make cluster-down``. In order:
+Both designs, one cluster each: ``whole`` (``deploy/ray/serve.yaml``: every replica the whole stage
+5) and ``composed`` (``deploy/ray/composed.yaml``: an ingress deployment calling a model deployment,
+batched by ``@serve.batch``, through a handle). Each is started with ``make cluster`` (the reader's
+command, ``CLUSTER_CONFIG`` naming the design), on free ports, with the Redis tier shared by both
+ingress replicas, and stopped with ``make cluster-down``. In order:
 
 1. the whole API contract suite (``test_contract.py``), collected again here against the cluster;
 2. placement (one replica a node) and the shared cache (a text computed by one replica is a
@@ -13,7 +16,9 @@ with the Redis tier shared by both replicas, stopped with ``make cluster-down``.
 5. the worker node killed (SIGKILL at once to its ``ray start --block``, so to its raylet and
    agents, and to its replica, by the pid Ray's state API reports) under a steady load: every
    request answered, failures only among those in flight, a retry gets 200, then the node comes
-   back and a replica with it.
+   back and a replica with it. In the composed design a request whose model replica died gets
+   its 503 from the ingress, which maps the handle's actor error to it;
+6. MAX_BATCH_SIZE and BATCH_WINDOW_MS reach the batcher: stage 3's (whole), ``@serve.batch`` (composed).
 
 ``make cluster-down`` must leave no process of the cluster behind: every process found before it
 (by the session folder and the GCS address in their command lines, and all they started) is gone.
@@ -27,6 +32,7 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,10 +55,16 @@ from loadtests.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TEMP_DIR = "/tmp/ray-estest"  # not /tmp/ray-embedserve: a reader's `make cluster` may be up
+DEADLINE_S = 10.0
+DESIGNS = {
+    "whole": REPO / "deploy" / "ray" / "serve.yaml",
+    "composed": REPO / "deploy" / "ray" / "composed.yaml",
+}
 
 
 @dataclass
 class Cluster:
+    design: str
     url: str
     env: dict[str, str]
     settings: ClusterSettings
@@ -110,8 +122,8 @@ def _running(procs: dict[int, psutil.Process]) -> list[str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@pytest.fixture(scope="module", params=list(DESIGNS))
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     work = tmp_path_factory.mktemp("cluster")
     with any_redis(work) as redis_url:
         env = {
@@ -122,8 +134,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             "CLUSTER_DASHBOARD_PORT": str(free_port()),
             "CLUSTER_TEMP_DIR": TEMP_DIR,
             "CLUSTER_STATE_FILE": str(work / "state.json"),
+            "CLUSTER_CONFIG": str(DESIGNS[request.param]),
             "CACHE_URL": redis_url,  # one tier for both replicas
-            "REQUEST_TIMEOUT_S": "5",  # every request's deadline (the node-kill test counts on it)
+            # Every request's deadline (the node-kill test counts on it), above the time Ray takes to
+            # report a killed actor to its callers (about 5 s seen here): a request in flight on the
+            # lost node gets its retryable 503 then, not a 504 (composed: the ingress's deadline).
+            "REQUEST_TIMEOUT_S": str(DEADLINE_S),
         }
         ports = {"gcs_port": env["CLUSTER_GCS_PORT"], "dashboard_port": env["CLUSTER_DASHBOARD_PORT"]}
         cs = ClusterSettings(temp_dir=Path(TEMP_DIR), state_file=work / "state.json", **ports)
@@ -135,7 +151,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             print(f"make cluster: {time.monotonic() - started:.1f} s\n{up.stdout[-1500:]}")
             state = json.loads(cs.state_file.read_text())
             (head, _), (worker, worker_pid) = state["nodes"].items()
-            yield Cluster(state["url"], env, cs, head, worker, worker_pid)
+            yield Cluster(request.param, state["url"], env, cs, head, worker, worker_pid)
         finally:
             before = cluster_processes(cs)
             down = subprocess.run(["make", "cluster-down"], cwd=REPO, env=env, capture_output=True, text=True)
@@ -248,7 +264,7 @@ def test_prometheus_scrapes_every_replica_with_the_shipped_config(cluster: Clust
 # --- 4. refusals under a flood ---------------------------------------------------------------------
 async def _flood(url: str, n: int, texts: int) -> list[httpx.Response]:
     # Fresh texts in every request: the same texts in flight at once would be computed once (stage 4).
-    # A deadline of their own: the cluster's 5 s (REQUEST_TIMEOUT_S) is the node-kill test's, and on a
+    # A deadline of their own: the cluster's (REQUEST_TIMEOUT_S) is the node-kill test's, and on a
     # shared machine an admitted request may pass it; this test is about the queue.
     bodies = [{"inputs": [" ".join(fresh_texts(8)) for _ in range(texts)]} for _ in range(n)]
     headers = {"x-request-timeout": "60"}
@@ -261,15 +277,7 @@ def test_a_floods_refusals_are_the_replicas_own_json_errors(cluster: Cluster, tm
     the replicas every request (max_ongoing_requests above what they admit), so every refusal is
     stage 5's own, in the API's error shape, with Retry-After and the replica's name; nothing else
     but 200."""
-    config = yaml.safe_load((REPO / "deploy" / "ray" / "serve.yaml").read_text())
-    config["applications"][0]["runtime_env"] = {"env_vars": {"MAX_QUEUE": "4"}}
-    (tmp_path / "small.yaml").write_text(yaml.safe_dump(config))
-    small = {**cluster.env, "CLUSTER_CONFIG": str(tmp_path / "small.yaml")}
-    done = subprocess.run(
-        [".venv/bin/python", "-m", "deploy.ray.cluster", "redeploy"], cwd=REPO, env=small, capture_output=True
-    )
-    try:
-        assert done.returncode == 0, done.stderr[-3000:]
+    with redeployed(cluster, tmp_path, {"MAX_QUEUE": "4"}):
         answers = asyncio.run(_flood(cluster.url, 40, 16))
         statuses = [r.status_code for r in answers]
         refused = [r for r in answers if r.status_code == 503]
@@ -278,9 +286,35 @@ def test_a_floods_refusals_are_the_replicas_own_json_errors(cluster: Cluster, tm
             error = r.json()["error"]
             assert error["code"] == 503 and int(r.headers["retry-after"]) >= 1
             assert "MAX_QUEUE=4" in error["message"] and "@" in r.headers["x-served-by"], error
+
+
+@contextmanager
+def redeployed(cluster: Cluster, tmp_path: Path, settings: dict[str, str]) -> Iterator[None]:
+    """The design's config deployed again with these stage settings (its `runtime_env`), for one
+    test; then the config as it was."""
+    config = yaml.safe_load(DESIGNS[cluster.design].read_text())
+    config["applications"][0]["runtime_env"] = {"env_vars": settings}
+    (tmp_path / "changed.yaml").write_text(yaml.safe_dump(config))
+    changed = {**cluster.env, "CLUSTER_CONFIG": str(tmp_path / "changed.yaml")}
+    command = [".venv/bin/python", "-m", "deploy.ray.cluster", "redeploy"]
+    done = subprocess.run(command, cwd=REPO, env=changed, capture_output=True)
+    try:
+        assert done.returncode == 0, done.stderr[-3000:]
+        yield
     finally:
         back = cluster.command(".venv/bin/python", "-m", "deploy.ray.cluster", "redeploy")
         assert "redeployed" in back
+
+
+# --- 6. the batch settings reach the batcher ------------------------------------------------------
+def test_max_batch_size_and_the_window_reach_the_batcher(cluster: Cluster, tmp_path: Path) -> None:
+    """MAX_BATCH_SIZE=4 and a long window (BATCH_WINDOW_MS=400): 16 texts sent at once, one per
+    request, fill batches of 4 and never more (x-batch-size), whether stage 3's batcher forms them
+    (whole) or ``@serve.batch`` in the model deployment (composed)."""
+    with redeployed(cluster, tmp_path, {"MAX_BATCH_SIZE": "4", "BATCH_WINDOW_MS": "400"}):
+        answers = asyncio.run(_flood(cluster.url, 16, 1))
+    sizes = [int(size) for r in answers for size in r.headers["x-batch-size"].split(",")]
+    assert all(r.status_code == 200 for r in answers) and max(sizes) == 4, sizes
 
 
 # --- 5. a node lost under load, and back -----------------------------------------------------------
@@ -349,9 +383,9 @@ def test_killing_the_worker_node_under_load(cluster: Cluster) -> None:
     failed = [o for o in firsts if o.status != 200]
     counts = _count(firsts)
     print(f"node kill: {len(firsts)} requests {counts}; {len(retries)} retried {_count(retries)}")
-    # Every request got an answer, none waited past its deadline (5 s) by much.
+    # Every request got an answer, none waited past its deadline by much.
     assert all(o.status != 0 for o in firsts + retries), [o for o in firsts + retries if o.status == 0]
-    assert max(o.seconds for o in firsts) < 5.0 + 2.0
+    assert max(o.seconds for o in firsts) < DEADLINE_S + 2.0
     # Only what the dead node held failed, each with a retryable status and Retry-After.
     assert len(failed) <= clients
     assert all(o.status in (503, 429) and o.retry_after for o in failed), failed

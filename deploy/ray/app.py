@@ -42,21 +42,25 @@ def replica_app() -> FastAPI:
     from stage5_metrics.app import build_app  # imported in the replica, never on the driver
 
     app = build_app(get_settings())
-    app.add_middleware(ServedBy, name=_replica_name())
+    app.add_middleware(ServedBy, name=replica_name())
     return app
 
 
-@serve.deployment(name="stage5")
-@serve.ingress(replica_app)  # Serve's documented form for an app built on the replica
-class Stage5Replica:
-    """One replica: the stage 5 server, unchanged, plus its name on every answer and its metrics in Ray's."""
+class MetricsToRay:
+    """What an ingress replica adds (both designs): stage 5's registry copied into Ray's metrics."""
 
-    async def __init__(self) -> None:  # type: ignore[misc]  # Ray's idiom: an async constructor
-        # `self.app` is Serve's: the app it built from replica_app (after this constructor)
+    async def __init__(self, *bound: Any) -> None:  # type: ignore[misc]  # Ray's idiom: an async constructor
+        # `self.app` is Serve's: the app it built from the ingress's builder (after this constructor)
         self.metrics = asyncio.create_task(copy_metrics_to_ray(lambda: self.app))  # type: ignore[attr-defined]
 
     async def __del__(self) -> None:
         self.metrics.cancel()
+
+
+@serve.deployment(name="stage5")
+@serve.ingress(replica_app)  # Serve's documented form for an app built on the replica
+class Stage5Replica(MetricsToRay):
+    """One replica: the stage 5 server, unchanged, plus its name on every answer and its metrics in Ray's."""
 
 
 class ClusterArgs(BaseModel):
@@ -89,6 +93,11 @@ class ClusterArgs(BaseModel):
 
 def builder(args: ClusterArgs) -> serve.Application:
     """The bound application (Serve's typed builder: it validates `args` into ClusterArgs first)."""
+    return Stage5Replica.options(**deployment_options(args)).bind()  # type: ignore[attr-defined]
+
+
+def deployment_options(args: ClusterArgs) -> dict[str, Any]:
+    """A deployment's options from the arguments (both designs' builders)."""
     settings = get_settings()  # the stage settings every replica reads too (the nodes' environment)
     options: dict[str, Any] = {
         "max_ongoing_requests": args.max_ongoing_requests,
@@ -109,13 +118,13 @@ def builder(args: ClusterArgs) -> serve.Application:
         }
     else:
         options["num_replicas"] = args.replicas
-    return Stage5Replica.options(**options).bind()  # type: ignore[attr-defined]
+    return options
 
 
 # --8<-- [end:deployment]
 
 
-def _replica_name() -> str:
+def replica_name() -> str:
     import ray
 
     node = ray.get_runtime_context().get_node_id()

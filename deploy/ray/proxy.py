@@ -7,6 +7,12 @@ and sends *nothing*, so its web server writes a bare ``500 Internal Server Error
 idempotent, so the honest answer is **503 with Retry-After**: send it again, another replica will
 take it.
 
+Why in the proxy, through a variable Ray reads but does not document: Serve's documented place for
+a middleware is the ingress deployment's app (``HTTPOptions.middlewares`` now refuses any, pointing
+there), and a middleware in a replica cannot answer for that replica's own loss; only the proxy is
+left to answer then. (A lost *model* replica in the composed design is the ingress's to answer:
+``deploy/ray/composed.py`` maps the handle's actor error to the same 503.)
+
 Refusals are not made here: every refusal is the replica's own (stage 4's bounded queue, in the
 API's error shape), because the application gives each replica more room (``max_ongoing_requests``)
 than stage 5 admits (``deploy/ray/app.py``).

@@ -39,7 +39,8 @@ class ClusterSettings(BaseSettings):
     )
     config: Path = Field(
         REPO_ROOT / "deploy" / "ray" / "serve.yaml",
-        description="The Serve config file `make cluster` deploys (HOST and PORT set its proxy's address).",
+        description="The Serve config file `make cluster` deploys (HOST and PORT set its proxy's address; "
+        "deploy/ray/composed.yaml: the ingress-and-model design).",
     )
     state_file: Path = Field(
         REPO_ROOT / "out" / "cluster" / "state.json",
