@@ -3,10 +3,11 @@
 One connection pool for the process (opened in ``start``, closed in ``close``, both called
 from the app's lifespan), MGET for lookups, one pipeline of ``SET EX`` for writes, written
 behind the answer (a request never waits for its write, which is bounded by the socket's
-timeout instead). A Redis that is down, slow (CACHE_TIMEOUT_MS) or returns garbage costs a miss, a counted error and at most one log line
-per interval; the tier backs off briefly and then recovers by itself. A ``rediss://`` URL
-verifies the server's certificate (against CACHE_CA_FILE when set); one that does not verify is
-reported at startup and the tier is off: nothing can make it verify later.
+timeout instead). A Redis that is down, slow (CACHE_TIMEOUT_MS) or returns garbage costs a
+miss, a counted error and at most one log line per interval; the tier backs off briefly and
+then recovers by itself. A ``rediss://`` URL verifies the server's certificate (against
+CACHE_CA_FILE when set); one that does not verify is reported at startup and the tier is off:
+nothing can make it verify later.
 
 A refused or reset connection backs off at once: Redis is down. A single timeout does not:
 the timeout is wall-clock time on the event loop, so when the server itself is busy, a reply
