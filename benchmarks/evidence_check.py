@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.results import FROM_CODE, PAGES
+from benchmarks.results import FROM_CODE, STEPS
 from loadtests import evidence
 
 DOCS = evidence.REPO / "docs"
@@ -83,28 +83,26 @@ def _same(name: str, carried: dict[str, Any] | None, stamp: dict[str, Any]) -> l
 
 def stale_evidence(results: Path = evidence.RESULTS, img: Path = evidence.IMG) -> list[str]:
     """Every reason the evidence in ``results`` and ``img`` is not current (empty: all current)."""
-    now = evidence.defaults()
-    problems: list[str] = []
-    known_files = {*FROM_CODE}
-    known_pictures = set(PICTURES_FROM_ELSEWHERE)
-    for page in PAGES:
-        known_files |= {page.json, page.markdown}
-        known_pictures |= set(page.images)
-        if not (results / page.json).is_file():
-            problems.append(f"{page.json}: missing (make results writes it)")
-            continue
-        stamp = json.loads((results / page.json).read_text()).get("stamp")
-        problems += stamp_problems(page.json, stamp, now)
-        if not stamp:
-            continue
-        md = results / page.markdown
-        problems += _same(
-            page.markdown, evidence.read_provenance(md.read_text()) if md.is_file() else None, stamp
-        )
-        for picture in page.images:
-            path = img / picture
-            carried = evidence.read_png_provenance(path) if path.is_file() else None
-            problems += _same(picture, carried, stamp) if path.is_file() else [f"{picture}: missing"]
+    now, problems = evidence.defaults(), []
+    known_files, known_pictures = set(FROM_CODE), set(PICTURES_FROM_ELSEWHERE)
+    for step in (s for s in STEPS if s.stamped):
+        for name in step.writes:
+            page = name.removesuffix(".json") + ".md"
+            known_files |= {name, page}
+            known_pictures |= set(step.images)
+            if not (results / name).is_file():
+                problems.append(f"{name}: missing (make results writes it)")
+                continue
+            stamp = json.loads((results / name).read_text()).get("stamp")
+            problems += stamp_problems(name, stamp, now)
+            if not stamp:
+                continue
+            md = results / page
+            problems += _same(page, evidence.read_provenance(md.read_text()) if md.is_file() else None, stamp)
+            for picture in step.images:
+                path = img / picture
+                carried = evidence.read_png_provenance(path) if path.is_file() else None
+                problems += _same(picture, carried, stamp) if path.is_file() else [f"{picture}: missing"]
     for path in sorted(results.glob("*")):
         if path.is_file() and path.name not in known_files:
             problems.append(f"{path.name}: no step of make results writes it (remove it, or add a step)")

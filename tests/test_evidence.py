@@ -200,15 +200,14 @@ def _write_page(results: Path, img: Path, stamp: dict[str, object]) -> None:
 
 
 def results_page(name: str, folder: Path) -> str:
-    page = next(p for p in results.PAGES if p.json == name)
-    return results.render_page(page, folder)
+    step = next(s for s in results.STEPS if name in s.writes)
+    return step.page(json.loads((folder / name).read_text()))
 
 
 def test_changing_a_default_makes_the_evidence_stale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     res, img = tmp_path / "results", tmp_path / "img"
     img.mkdir()
-    monkeypatch.setattr(results, "PAGES", tuple(p for p in results.PAGES if p.json == "stage0.json"))
-    monkeypatch.setattr(evidence_check, "PAGES", results.PAGES)
+    monkeypatch.setattr(evidence_check, "STEPS", tuple(s for s in results.STEPS if s.name == "stage0"))
     monkeypatch.setattr(evidence_check, "PICTURES_FROM_ELSEWHERE", {})
     _write_page(res, img, _fresh_stamp())
     assert stale_evidence(res, img) == []
@@ -228,7 +227,7 @@ def test_the_staleness_check_catches_each_kind_of_stale_file(
 ) -> None:
     res, img = tmp_path / "results", tmp_path / "img"
     img.mkdir()
-    monkeypatch.setattr(evidence_check, "PAGES", tuple(p for p in results.PAGES if p.json == "stage0.json"))
+    monkeypatch.setattr(evidence_check, "STEPS", tuple(s for s in results.STEPS if s.name == "stage0"))
     monkeypatch.setattr(evidence_check, "PICTURES_FROM_ELSEWHERE", {})
     assert stale_evidence(res, img) == ["stage0.json: missing (make results writes it)"]
     _write_page(res, img, _fresh_stamp(dirty=True))
@@ -255,12 +254,15 @@ def test_the_staleness_check_catches_each_kind_of_stale_file(
 def test_every_results_page_is_rendered_from_its_json() -> None:
     """A page typed (or edited) by hand, or rendered by an older format, fails here."""
     stale = [
-        page.markdown
-        for page in results.PAGES
-        if (evidence.RESULTS / page.json).is_file()
-        and (evidence.RESULTS / page.markdown).read_text() != results.render_page(page, evidence.RESULTS)
+        name
+        for step in results.STEPS
+        if step.stamped
+        for name in step.writes
+        if (evidence.RESULTS / name).is_file()
+        and (evidence.RESULTS / name.replace(".json", ".md")).read_text()
+        != step.page(json.loads((evidence.RESULTS / name).read_text()))
     ]
-    assert not stale, f"rerender with `python -m benchmarks.results --render`: {stale}"
+    assert not stale, f"pages that are not what their JSON renders to (edited by hand?): {stale}"
 
 
 def test_the_committed_evidence_is_current() -> None:
@@ -338,15 +340,15 @@ def test_make_results_lists_every_step_in_order() -> None:
     assert names.index("model") < names.index("stage0") < names.index("stage3") < names.index("compare")
     assert names.index("compare") < names.index("soak") < names.index("settings")
     # every page the docs include, and every file generated from the code, has a step that writes it
-    written = {name for s in results.STEPS for name in s.writes} | {"pipeline.md"}  # the pipeline's own
-    assert {p.json for p in results.PAGES} | set(results.FROM_CODE) == written
+    generated = {name for s in results.STEPS if not s.stamped for name in s.writes} | {"pipeline.md"}
+    assert generated == set(results.FROM_CODE)
 
 
 def test_the_timing_table_is_every_step_with_its_estimate_and_its_last_run() -> None:
     """pipeline.md is rebuilt from the steps and the stamps: a step added, an estimate changed or a
-    file re-recorded without it fails here (`python -m benchmarks.results --render`)."""
+    file re-recorded without it fails here (`python -m benchmarks.results --list --record`)."""
     page = (evidence.RESULTS / "pipeline.md").read_text()
-    assert page == results.markdown(), "run `python -m benchmarks.results --render` and commit"
+    assert page == results.markdown(), "run `python -m benchmarks.results --list --record` and commit"
     compare = next(s for s in results.STEPS if s.name == "compare")
     wall_s = json.loads((evidence.RESULTS / "compare.json").read_text())["stamp"]["wall_s"]
     row = next(line for line in page.splitlines() if line.startswith("| compare "))
