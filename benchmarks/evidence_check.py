@@ -130,29 +130,14 @@ NOT_PROSE = re.compile(r"`[^`]*`|<!--.*?-->|\]\([^)]*\)|https?://\S+|<[^>]+>")
 VERSION_WORDS = re.compile(r"(?:Python|version|HTTP/|v|>=|==|~=)\s*$", re.IGNORECASE)
 # How a results file may hold what a chapter writes with this unit (a share as 0.92 for "92%",
 # seconds for "10 minutes", bytes for "69.3 MB"); a number without a unit must be there as it is.
-SCALES: dict[str, tuple[float, ...]] = {
-    "%": (1.0, 100.0),
-    "ms": (1.0, 1e3),
-    "µs": (1.0, 1e6, 1e3),
-    "us": (1.0, 1e6, 1e3),
-    "s": (1.0, 1e-3),
-    "sec": (1.0, 1e-3),
-    "second": (1.0, 1e-3),
-    "seconds": (1.0, 1e-3),
-    "min": (1.0, 1 / 60),
-    "minute": (1.0, 1 / 60),
-    "minutes": (1.0, 1 / 60),
-    "h": (1.0, 1 / 3600),
-    "hour": (1.0, 1 / 3600),
-    "hours": (1.0, 1 / 3600),
-    "MB": (1.0, 1e-6),
-    "GB": (1.0, 1e-9),
-    "kB": (1.0, 1e-3),
-    "KB": (1.0, 1e-3),
-    "MiB": (1.0, 2**-20),
-    "GiB": (1.0, 2**-30),
-    "KiB": (1.0, 2**-10),
+_TIME = {"ms": (1.0, 1e3), "µs": (1.0, 1e6, 1e3), "us": (1.0, 1e6, 1e3), "h": (1.0, 1 / 3600)}
+_TIME |= {u: (1.0, 1e-3) for u in ("s", "sec", "second", "seconds")}
+_TIME |= {u: (1.0, 1 / 60) for u in ("min", "minute", "minutes")} | {
+    u: (1.0, 1 / 3600) for u in ("hour", "hours")
 }
+_SIZE = {"MB": (1.0, 1e-6), "GB": (1.0, 1e-9), "kB": (1.0, 1e-3), "KB": (1.0, 1e-3)}
+_SIZE |= {"MiB": (1.0, 2**-20), "GiB": (1.0, 2**-30), "KiB": (1.0, 2**-10)}
+SCALES: dict[str, tuple[float, ...]] = {"%": (1.0, 100.0), **_TIME, **_SIZE}
 LONG_LIST = 60  # per-interval and per-round series: the prose quotes their summaries, not their points
 
 
