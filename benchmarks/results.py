@@ -45,20 +45,18 @@ class Step:
     args: tuple[str, ...] = ()  # passed on before the others
 
 
-# The order: the model's facts, then each chapter's experiment from stage 0 on, then the
+# The order: each chapter's experiment from stage 0 (the model's build) on, then the
 # whole-system runs, then what is generated from code. A failed step is reported; the rest still run.
 STEPS: tuple[Step, ...] = (
-    Step("model", "model build facts", "benchmarks.model_facts", ("model.json",), 0.1, 0.1),
-    # each model variant loaded and timed, 2 s a measurement (45 s last run)
-    Step("stage0", "stage 0: fp32 and INT8 baseline", "benchmarks.stage0", ("stage0.json",), 1, 0.3),
-    # every recipe of the study calibrated, scored on the STS dev pairs and timed (6.0 min last run)
+    # the build's facts; 4 files and 8 static recipes scored on the gate sentences and the 1500 STS-B
+    # dev pairs, timed on one thread in 2 rounds; 4 files x 7 batch sizes x 0.5 s of wall clock
     Step(
-        "quantization",
-        "stage 0: quantization study",
-        "benchmarks.quantization",
-        ("quantization.json",),
-        6,
-        3,
+        "stage0",
+        "stage 0: the build, fp32 and three INT8 files, the quantization study",
+        "benchmarks.stage0",
+        ("stage0.json",),
+        4.5,
+        1.5,
     ),
     # pytest-benchmark's own rounds, about 30 benchmarks (15 s last run)
     Step("bench", "microbenchmarks (pytest-benchmark)", "benchmarks.micro", ("bench.json",), 0.5, 0.3),
@@ -212,13 +210,11 @@ class Page:
 
 
 PAGES: tuple[Page, ...] = (
-    Page("model.json", "model.md", "benchmarks.model_facts:markdown"),
-    Page("stage0.json", "stage0.md", "benchmarks.stage0:markdown"),
     Page(
-        "quantization.json",
-        "quantization.md",
-        "benchmarks.quantization:markdown",
-        "benchmarks.results:_draw_quantization",
+        "stage0.json",
+        "stage0.md",
+        "benchmarks.stage0:markdown",
+        "benchmarks.stage0:draw",
         ("quantization.png",),
     ),
     Page("bench.json", "bench.md", "benchmarks.micro.__main__:markdown"),
@@ -281,10 +277,6 @@ FROM_CODE = ("settings.md", "stage5_metrics.md", "pipeline.md")
 def _function(ref: str) -> Callable[..., Any]:
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
-
-
-def _draw_quantization(result: dict[str, Any], img: Path) -> None:
-    _function("benchmarks.quantization:plot")(result, img / "quantization.png")
 
 
 def _draw_stage2_threads(result: dict[str, Any], img: Path) -> None:
