@@ -5,9 +5,9 @@
     echo "some text" | python -m stage0_script --summary   # stdin
     python -m stage0_script --bench                        # fp32 vs INT8: size, load, latency, items/s
 
-``--bench`` prints a table (and writes its figures as JSON with ``--out``): the ceiling every
-later stage is measured against. ``make results ONLY=stage0`` (benchmarks/stage0.py) records the same
-measurement, stamped, for the docs.
+``--bench`` prints a table (and writes its figures as JSON with ``--out``): the baseline every
+later stage is measured against. ``make results ONLY=stage0`` (benchmarks/stage0.py) records the
+same measurement, stamped, beside the quantization study, for the docs.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from common.settings import get_settings
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 VARIANTS = ("fp32", "int8-dynamic", "int8-static", "int8-rowwise")
-ONE_THREAD_BATCH = 16  # the one-thread comparison: one text, and a batch of this many
 
 
 def read_texts(args: argparse.Namespace) -> list[str]:
@@ -81,10 +80,9 @@ def embed(args: argparse.Namespace) -> int:
 
 
 # --8<-- [start:bench]
-def bench_variant(variant: str, texts: list[str], seconds: float) -> dict[str, Any]:
-    settings = get_settings()
-    path = settings.model_dir / variant / "model.onnx"
-    engine = Engine(settings.model_dir, variant=variant, intra_threads=settings.onnx_intra_threads)
+def bench_variant(model_dir: Path, variant: str, texts: list[str], seconds: float) -> dict[str, Any]:
+    path = model_dir / variant / "model.onnx"
+    engine = Engine(model_dir, variant=variant, intra_threads=get_settings().onnx_intra_threads)
     engine.warmup()
     ids = [t.ids for t in engine.tokenize(texts)]
     # Latency of one call with one text: the floor for any request.
@@ -115,30 +113,22 @@ def bench_variant(variant: str, texts: list[str], seconds: float) -> dict[str, A
     }
 
 
-def measure(seconds: float, rounds: int = 3) -> dict[str, Any]:
-    """Every variant on the same 256 unique sentences: the figures ``--bench`` prints. Then each
-    on one ONNX thread, the variants in turns for ``rounds`` rounds, in texts per CPU-second of
-    the calling thread (stage0_script/speed.py: what the neighbours on a shared machine change least)."""
-    from stage0_script import speed
-
-    model_dir = get_settings().model_dir
+def measure(seconds: float, model_dir: Path | None = None) -> dict[str, Any]:
+    """Every variant on the same 256 unique sentences, with ONNX Runtime's default threads (wall
+    clock: what a reader's machine does, neighbours included): the figures ``--bench`` prints."""
+    model_dir = model_dir or get_settings().model_dir
     texts = corpus.texts(256, seed=11, kind="sentence")  # 12-20 word sentences, unique
     manifest = Engine(model_dir, variant="fp32").manifest
-    rows = [bench_variant(v, texts, seconds) for v in VARIANTS]
-    one_thread = speed.variants(model_dir, list(VARIANTS), rounds=rounds, batch=ONE_THREAD_BATCH)
-    for row in rows:
-        row["one_thread"] = one_thread[row["variant"]]
     return {
         "texts": {"kind": "sentence", "count": len(texts), "seed": 11},
         "seconds_per_measurement": seconds,
-        "one_thread_rounds": rounds,
         "int8_default": manifest.get("int8_default"),
-        "variants": rows,
+        "variants": [bench_variant(model_dir, v, texts, seconds) for v in VARIANTS],
     }
 
 
 def bench(args: argparse.Namespace) -> int:
-    result = measure(args.seconds, rounds=1)
+    result = measure(args.seconds)
     rows = result["variants"]
     header = f"{'variant':13s} {'MB':>6s} {'load s':>7s} {'p50 ms':>7s} " + " ".join(
         f"{'bs' + str(b):>7s}" for b in BATCH_SIZES

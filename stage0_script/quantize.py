@@ -45,17 +45,12 @@ class StaticRecipe:
         )
 
 
-# Static INT8 recipe, chosen by the measurements in docs/lab/stage0.md (`make results ONLY=quantization`):
+# Static INT8 recipe, chosen by the measurements in docs/lab/stage0.md (`make results ONLY=stage0`):
 # Entropy calibration on unpadded texts, with the MatMul after GELU kept in fp32, is the
 # simplest recipe that passes both gates; calibration choices alone stay far below them.
 STATIC_RECIPE = StaticRecipe(
     calibration="Entropy", pad_calibration=False, exclude=(r"/layer\.\d+/output/dense/MatMul$",)
 )
-# The INT8 mode served as `int8` when both pass the gates. Measured by the same study: static
-# is batch invariant but not faster than dynamic on this CPU (ONNX Runtime's dynamic MatMul
-# kernels are as fast as its static ones, and the FFN output kept in fp32 slows static further),
-# so dynamic it is, and static is there for whoever needs one vector per text.
-PREFERRED_INT8 = "int8-dynamic"
 # --8<-- [end:recipe]
 
 

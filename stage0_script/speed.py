@@ -1,9 +1,9 @@
 """How fast is a model variant? Measured so that a shared machine cannot fool the comparison.
 
-The quantization study (``quant_study.py``) ranks recipes by this: each variant loaded with one
-ONNX Runtime thread, the variants taken in turns, round after round, and the figure the
-decision uses is texts per CPU-second of the calling thread, which a neighbour on the machine
-does not change (wall-clock texts/s is kept beside it).
+The quantization study (``quant_study.py``) compares the build's files and its recipes by this:
+each variant loaded with one ONNX Runtime thread, the variants taken in turns, round after round,
+and the figure compared is texts per CPU-second of the calling thread, which a neighbour on the
+machine does not change (wall-clock texts/s is kept beside it).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from common import corpus
 from common.engine import Engine
 
 
-def variants(model_dir: Path, names: list[str], rounds: int, batch: int = 32) -> dict[str, dict[str, float]]:
+def variants(model_dir: Path, names: list[str], rounds: int, batch: int = 16) -> dict[str, dict[str, float]]:
     """Load time and model throughput at batch 1 and ``batch``, one ONNX thread, variants interleaved.
 
     The machine is shared, so wall-clock time measures the neighbours too. With one intra-op

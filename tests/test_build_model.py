@@ -13,12 +13,13 @@ import pytest
 from common.settings import Settings
 from stage0_script.build_model import (
     STSB_CSV,
+    choose_default,
     packaged_model_dir,
     sha256_file,
     source_fingerprint,
     up_to_date,
 )
-from stage0_script.quality import GATE_MEAN_COSINE, gate_failures
+from stage0_script.quality import GATE_MEAN_COSINE, INVARIANCE_ATOL, gate_failures
 
 REPO = Path(__file__).resolve().parent.parent
 STSB = STSB_CSV  # the STS-benchmark dev pairs in the repository (data/stsb/), what `make model` uses
@@ -32,8 +33,10 @@ def test_manifest_records_the_build(settings: Settings) -> None:
     m = _manifest(settings)
     assert m["model_id"] == "all-MiniLM-L6-v2"
     assert m["dimensions"] == 384 and m["max_tokens"] == 256 and m["pooling"] == "mean"
-    assert m["int8_default"] in ("int8-dynamic", "int8-static")
-    assert m["quantization"]["mode"] in ("dynamic", "static")
+    # Row-wise INT8 passes the gate and is batch invariant on this model: the build serves it, and says why.
+    assert m["int8_default"] == "int8-rowwise" and m["quantization"]["mode"] == "rowwise"
+    assert "same alone and in batches" in m["int8_default_why"]
+    assert m["quality"]["variants"]["int8-rowwise"]["max_batch_difference"] <= INVARIANCE_ATOL
     for rel, meta in m["files"].items():
         path = settings.model_dir / rel
         assert path.stat().st_size == meta["bytes"]
@@ -95,6 +98,27 @@ def test_gate_messages_say_which_and_by_how_much() -> None:
     assert "1.70 points below fp32" in failures[1]
 
 
+def test_the_default_is_row_wise_only_while_it_passes_the_gate_and_is_batch_invariant() -> None:
+    def report(rowwise_cosine: float, rowwise_moved: float) -> dict:  # type: ignore[type-arg]
+        entry = {"mean_cosine_to_fp32": 0.995, "max_batch_difference": 0.03}
+        return {
+            "variants": {
+                "int8-dynamic": entry,
+                "int8-static": {**entry, "max_batch_difference": 0.0},
+                "int8-rowwise": {
+                    "mean_cosine_to_fp32": rowwise_cosine,
+                    "max_batch_difference": rowwise_moved,
+                },
+            }
+        }
+
+    assert choose_default(report(0.997, 0.0))[0] == "int8-rowwise"
+    variant, why = choose_default(report(0.997, 0.02))  # invariant no longer: the first that passes
+    assert variant == "int8-dynamic" and "int8-rowwise: a batch moves a text's vector by 2.0e-02" in why
+    variant, why = choose_default(report(0.95, 0.0))
+    assert variant == "int8-dynamic" and "int8-rowwise: mean cosine to fp32 0.9500 < 0.99" in why
+
+
 @pytest.mark.timeout(600)
 def test_model_option_builds_another_bert_encoder(tmp_path: Path) -> None:
     """`--model PATH` takes any BERT-family checkpoint: a tiny random BERT, exported and quantized."""
@@ -126,8 +150,9 @@ def test_model_option_builds_another_bert_encoder(tmp_path: Path) -> None:
     out = tmp_path / "out" / "tiny-bert"
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["model_id"] == "tiny-bert" and manifest["dimensions"] == 32
-    for variant in ("fp32", "int8-dynamic", "int8-static"):
+    for variant in ("fp32", "int8-dynamic", "int8-static", "int8-rowwise"):
         assert (out / variant / "model.onnx").stat().st_size > 0
+    assert manifest["int8_default_why"]
     # A random model may or may not pass the gates; either way the exit code and message must say so.
     if manifest["gate"]["passed"]:
         assert proc.returncode == 0, proc.stderr

@@ -1,17 +1,10 @@
 """Every server stage returns the stage 0 engine's vectors for the same input.
 
-Tolerance. The INT8 model is *dynamically* quantized: each model call picks its activation
-scales from the whole padded batch, so a text's vector depends on its batch mates (the
-first test measures by how much: about as much as INT8 differs from fp32), while the same
-batch always gives the same answer, in any order. So:
-
-* where the server's model call is known, the comparison puts exactly the same texts in
-  one engine call, and ``ATOL = 1e-5`` leaves room for float summation order only: a
-  single-text request against the engine on that text alone; a request of texts that all
-  fill the 256-token limit (one length, so even a stage that groups texts by length runs
-  them in one call) against ``engine.embed`` of the same list;
-* a list of mixed lengths may be run as several calls (stage 3 groups by length), so its
-  vectors are only held to the batch-mates bound, ``BATCH_MATES_COS``, measured below.
+Tolerance. The served INT8 file (row-wise, the build's choice) gives a text the same vector alone
+and in any batch, so every comparison holds to ``ATOL = 1e-5``, room for float summation order
+only, whatever calls a stage splits a request into. The first test shows the tolerance is not
+vacuous: dynamic INT8 (``MODEL_VARIANT=int8-dynamic``), which picks its activation scales from
+the whole padded batch, moves a text's vector by far more with its batch mates.
 """
 
 from __future__ import annotations
@@ -26,9 +19,9 @@ from fresh import fresh_texts, full_length_texts
 
 from common.corpus import texts as corpus_texts
 from common.engine import Engine
+from common.settings import Settings
 
 ATOL = 1e-5
-BATCH_MATES_COS = 0.97  # lowest cosine seen between "alone" and "in a batch" here: ~0.98
 
 
 @pytest.fixture(scope="module", params=SERVER_STAGES)
@@ -38,14 +31,15 @@ def client(request: pytest.FixtureRequest, stage_server) -> Iterator[httpx.Clien
         yield c
 
 
-def test_batch_mates_change_int8_vectors_within_a_bound(engine: Engine) -> None:
-    """Why the comparisons below are like-for-like (and why 1e-5 is not vacuous)."""
+def test_the_tolerance_tells_batch_mates_apart(settings: Settings, engine: Engine) -> None:
+    """Why the comparisons below hold to 1e-5, and why 1e-5 is not vacuous."""
     texts = corpus_texts(12, seed=5, kind="mixed")
-    alone = np.stack([engine.embed([t]).vectors[0] for t in texts])
-    together = engine.embed(texts).vectors
-    assert np.abs(alone - together).max() > 100 * ATOL
-    assert (alone * together).sum(axis=1).min() > BATCH_MATES_COS
-    np.testing.assert_allclose(engine.embed(texts[::-1]).vectors[::-1], together, atol=ATOL)
+    for model, invariant in ((Engine(settings.model_dir, variant="int8-dynamic"), False), (engine, True)):
+        alone = np.stack([model.embed([t]).vectors[0] for t in texts])
+        together = model.embed(texts).vectors
+        moved = float(np.abs(alone - together).max())
+        assert moved <= ATOL if invariant else moved > 100 * ATOL, (model.variant, moved)
+        np.testing.assert_allclose(model.embed(texts[::-1]).vectors[::-1], together, atol=ATOL)
 
 
 def test_single_texts_match_the_engine_alone(client: httpx.Client, engine: Engine) -> None:
@@ -83,12 +77,10 @@ def test_a_list_of_one_length_matches_the_engine_on_the_same_list(
     np.testing.assert_allclose(r.json()["embeddings"], expected, atol=ATOL)
 
 
-def test_a_mixed_list_stays_within_the_batch_mates_bound(client: httpx.Client, engine: Engine) -> None:
+def test_a_mixed_list_matches_the_engine(client: httpx.Client, engine: Engine) -> None:
+    """Mixed lengths: a stage may run them as several calls (stage 3 groups by length)."""
     texts = fresh_texts(8, "mixed")
     expected = engine.embed(texts).vectors
     r = client.post("/v1/embed", json={"inputs": texts})
     assert r.status_code == 200, r.text
-    got = np.asarray(r.json()["embeddings"], dtype=np.float32)
-    similarity = got @ expected.T
-    assert np.diagonal(similarity).min() > BATCH_MATES_COS
-    assert list(similarity.argmax(axis=1)) == list(range(len(texts)))  # each row is its own text
+    np.testing.assert_allclose(r.json()["embeddings"], expected, atol=ATOL)

@@ -27,6 +27,7 @@ from benchmarks.evidence_check import (
 )
 from common.settings import Settings
 from loadtests import evidence, tables
+from stage0_script import quant_study
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -179,24 +180,25 @@ def test_a_changed_or_removed_default_makes_a_run_stale_and_a_new_setting_does_n
 
 
 def _write_page(results: Path, img: Path, stamp: dict[str, object]) -> None:
-    """A small results folder laid out as `make results` leaves it (the stage 0 page)."""
+    """A small results folder laid out as `make results` leaves it (the stage 0 page and its picture)."""
+    figures = {"bytes": 2e7, "mean_cosine_to_fp32": 0.99, "min_cosine_to_fp32": 0.98, "gate_failures": []}
+    figures |= {"stsb_spearman_x100": 86.5, "max_batch_difference": 0.0}
+    figures |= {"texts_per_cpu_s_b1": 250.0, "texts_per_cpu_s_b16": 60.0}
+    rows = [{**figures, "name": n, "kind": n.removeprefix("int8-"), "note": ""} for n in quant_study.BUILT]
+    build = {"model_id": "m", "dimensions": 384, "max_tokens": 256, "pooling": "mean", "normalize": "l2"}
+    build |= {"int8_default": "int8-rowwise", "int8_default_why": "invariant", "build_seconds": 50.0}
+    baseline = {"load_s": 0.1, "latency_ms_batch1": {"p50": 6.1}, "items_per_s": {"1": 170.0, "8": 177.0}}
+    study = {"sentences": 2, "stsb_pairs": 2, "int8_default": "int8-rowwise", "best_static": None}
     result = {
         "stamp": stamp,
-        "texts": {"kind": "sentence", "count": 2},
-        "int8_default": "int8-dynamic",
-        "variants": [
-            {
-                "variant": "fp32",
-                "size_mb": 90.4,
-                "load_s": 0.1,
-                "latency_ms_batch1": {"p50": 6.1, "p90": 7.0},
-                "items_per_s": {"1": 170.0, "8": 177.0, "32": 212.0, "64": 200.0},
-                "quality": {"stsb_spearman_x100": 86.72},
-            }
-        ],
+        "build": build,
+        "baseline": {"variants": [{"variant": "fp32", **baseline}]},
+        "study": {**study, "variants": rows},
     }
     evidence.write_json(results / "stage0.json", result)
     evidence.write_text(results / "stage0.md", results_page("stage0.json", results))
+    Image.new("RGB", (8, 8)).save(img / "quantization.png")
+    evidence.stamp_png(img / "quantization.png", dict(stamp))
 
 
 def results_page(name: str, folder: Path) -> str:
@@ -337,7 +339,7 @@ def test_make_results_lists_every_step_in_order() -> None:
     assert done.returncode == 0, done.stderr
     names = [line.split()[0] for line in done.stdout.splitlines()]
     assert names == [s.name for s in results.STEPS]
-    assert names.index("model") < names.index("stage0") < names.index("stage3") < names.index("compare")
+    assert names.index("stage0") < names.index("stage3") < names.index("compare")
     assert names.index("compare") < names.index("soak") < names.index("settings")
     # every page the docs include, and every file generated from the code, has a step that writes it
     generated = {name for s in results.STEPS if not s.stamped for name in s.writes} | {"pipeline.md"}
@@ -361,7 +363,7 @@ def test_make_results_quick_runs_the_pipeline_into_out(tmp_path: Path) -> None:
     """The pipeline's machinery on its two fastest steps: progress lines, the total, out/ not docs/."""
     before = {p: p.stat().st_mtime for p in evidence.RESULTS.glob("*")}
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.results", "--quick", "--only", "model,settings"],
+        [sys.executable, "-m", "benchmarks.results", "--quick", "--only", "settings,metrics"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -370,20 +372,22 @@ def test_make_results_quick_runs_the_pipeline_into_out(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert "2 steps, QUICK" in lines[1] and "into out/results/ and out/img/" in lines[1]
-    assert any(line.startswith("[1/2] model: done in") for line in lines)
-    assert any(line.startswith("[2/2] settings: done in") for line in lines)
+    assert any(line.startswith("[1/2] settings: done in") for line in lines)
+    assert any(line.startswith("[2/2] metrics: done in") for line in lines)
     assert "2 of 2 steps done in" in lines[-1]  # and no pipeline.md: not a recording run
-    assert json.loads((evidence.OUT / "results" / "model.json").read_text())["stamp"]["command"]
     assert (evidence.OUT / "results" / "settings.md").is_file()
+    assert (evidence.OUT / "results" / "stage5_metrics.md").is_file()
     assert {p: p.stat().st_mtime for p in evidence.RESULTS.glob("*")} == before  # docs/ untouched
 
 
 def test_a_failed_step_does_not_stop_the_others(capsys: pytest.CaptureFixture[str]) -> None:
     broken = results.Step("broken", "fails", "benchmarks.no_such_module", ("x.md",), 0, 0, stamped=False)
-    model = next(s for s in results.STEPS if s.name == "model")
-    assert results.pipeline([broken, model], evidence.Run("benchmarks.results", ["--quick"], quick=True)) == 1
+    settings = next(s for s in results.STEPS if s.name == "settings")
+    assert (
+        results.pipeline([broken, settings], evidence.Run("benchmarks.results", ["--quick"], quick=True)) == 1
+    )
     out = capsys.readouterr().out
-    assert "[1/2] broken: FAILED" in out and "[2/2] model: done" in out and "1 of 2 steps done" in out
+    assert "[1/2] broken: FAILED" in out and "[2/2] settings: done" in out and "1 of 2 steps done" in out
     assert "run them again with --only broken" in out
     with pytest.raises(SystemExit, match="unknown step"):
         results.select("stage3,nope", None)

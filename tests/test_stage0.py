@@ -1,4 +1,5 @@
-"""Stage 0, the plain script: arguments, file and stdin in; vectors or a summary out; --bench."""
+"""Stage 0, the plain script: arguments, file and stdin in; vectors or a summary out; --bench; and
+its recorded step, which stamps the bench beside the quantization study."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from pathlib import Path
 import numpy as np
 
 from common.engine import Engine
+from common.settings import Settings
+from loadtests import evidence
+from stage0_script.quality import INVARIANCE_ATOL
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,18 +74,33 @@ def test_bench_prints_and_writes_every_figure(tmp_path: Path) -> None:
     assert "stsb_spearman_x100" in result["variants"][0]["quality"]
 
 
-def test_the_recorded_bench_is_stamped_and_rendered(tmp_path: Path) -> None:
-    """`make results ONLY=stage0`: the same measurement, stamped, with the tables the chapters include."""
+def test_the_recorded_step_is_stamped_and_rendered(tmp_path: Path, settings: Settings) -> None:
+    """`make results ONLY=stage0`: the build's facts, the four files and the quantization study from
+    one run, stamped, with the tables and the picture the chapters include."""
+    args = ["--quick", "--seconds", "0.05", "--out", str(tmp_path), "--img", str(tmp_path)]
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.stage0", "--quick", "--seconds", "0.05", "--out", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "benchmarks.stage0", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((tmp_path / "stage0.json").read_text())
     stamp = result["stamp"]
     assert stamp["quick"] is True and stamp["machine"]["logical_cores"] >= 1 and stamp["commit"]
-    assert stamp["command"] == f"python -m benchmarks.stage0 --quick --seconds 0.05 --out {tmp_path}"
+    assert stamp["command"] == "python -m benchmarks.stage0 " + " ".join(args)
+    manifest = json.loads((settings.model_dir / "manifest.json").read_text())
+    assert result["build"]["int8_default"] == manifest["int8_default"] == result["study"]["int8_default"]
+    measured = {r["name"]: r for r in result["study"]["variants"]}
+    for name in ("fp32", "int8-dynamic", "int8-static", "int8-rowwise"):
+        assert measured[name]["texts_per_cpu_s_b1"] > 0 and measured[name]["texts_per_cpu_s_b16"] > 0
+        assert measured[name]["bytes"] == manifest["files"][f"{name}/model.onnx"]["bytes"]
+    moved = {name: r["max_batch_difference"] for name, r in measured.items()}
+    assert moved["int8-rowwise"] <= INVARIANCE_ATOL < moved["int8-dynamic"]
+    assert any(r["kind"] == "static" and r["name"].startswith("s-") for r in measured.values())  # the study
     page = (tmp_path / "stage0.md").read_text()
-    for section in ("machine", "speed", "quality"):
+    for section in ("machine", "build", "variants", "invariance", "speed", "recipes", "decision"):
         assert f"[start:{section}]" in page and f"[end:{section}]" in page
-    assert "| int8-dynamic |" in page.replace("  ", " ").replace("  ", " ")
+    variants = page.split("[start:variants]")[1].split("[end:variants]")[0]
+    assert [line.split("|")[1].strip() for line in variants.splitlines() if line.startswith("| ")][1:] == [
+        "fp32", "int8-dynamic", "int8-static", "int8-rowwise",
+    ]  # fmt: skip
+    assert evidence.read_png_provenance(tmp_path / "quantization.png") == evidence.provenance(stamp)
