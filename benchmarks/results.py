@@ -6,6 +6,7 @@
     python -m benchmarks.results --from compare            # this step and the ones after it
     python -m benchmarks.results --list           # the steps, in order, with their estimates
     python -m benchmarks.results --list --record  # ... and pipeline.md rewritten from them
+    python -m benchmarks.results --render         # every page rewritten from its JSON, nothing measured
 
 Each step is one experiment's own command (``python -m benchmarks.stage3 ...``), run as a
 subprocess with ``--quick``, ``--record`` and ``--allow-dirty`` passed on. Kept in Python rather
@@ -190,12 +191,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated step names")
     parser.add_argument("--from", dest="start", help="start at this step (after a failure)")
     parser.add_argument("--list", action="store_true", help="print the steps and stop")
+    parser.add_argument(
+        "--render", action="store_true", help="rewrite every page from its JSON, measure nothing"
+    )
     args = parser.parse_args(argv)
     if args.list:  # with --record: pipeline.md too, as after a recording run (after a change of STEPS)
         for s in STEPS:
             print(f"{s.name:20s} {s.what} (~{s.minutes:g} min, QUICK ~{s.quick_minutes:g} min)")
         if args.record:
             print(f"wrote {evidence.write_text(evidence.RESULTS / 'pipeline.md', markdown())}")
+        return 0
+    if args.render:  # after a change of how a page is written, not of what is measured
+        for step in (s for s in STEPS if s.stamped):
+            for name in (n for n in step.writes if (evidence.RESULTS / n).is_file()):
+                page = step.page(json.loads((evidence.RESULTS / name).read_text()))
+                print(f"wrote {evidence.write_text(evidence.RESULTS / name.replace('.json', '.md'), page)}")
         return 0
     # The whole pipeline is what the docs show; one step (a reader trying a chapter's) writes out/.
     record = args.record or not (args.quick or args.only)
