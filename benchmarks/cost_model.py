@@ -164,7 +164,8 @@ def markdown(result: dict[str, Any]) -> str:
                      f" costs {call['fixed_ms']:.2f} ms: without padding, a text of {call['length']} tokens"
                      f" costs {call['alone_ms']:.2f} ms alone and {call['in_batch_ms']:.2f} ms as one of"
                      f" {call['k']} of that length in one call ({saving:.2f}x)."],
-        "loop": [f"Stage 3's event loop, one thread, spends {h:.2f} ms of CPU a request: it can carry at most"
+        "loop": [f"The HTTP side alone (the contract with no model) spends {h:.2f} ms of CPU a request:"
+                 f" one event loop can carry at most"
                  f" {1e3 / h:,.0f} requests/s, a rate the cores reach with about"
                  f" {(h + batched) / h:.0f} cores (the load generator elsewhere). This machine has {cores}."],
     }  # fmt: skip
