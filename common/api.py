@@ -174,11 +174,9 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         validate_texts(texts, settings, param)
         if cache and "no-cache" in request.headers.get("cache-control", ""):
             cache = False
-        job = EmbedJob(
-            texts, normalize, truncate, cache, _deadline(request, settings), param,
-            receive=request.receive,  # for a stage that drops the work of a client that hung up
-            log_record=getattr(request.state, "log_record", None),  # a middleware's (stage 5's log line)
-        )  # fmt: skip
+        deadline = _deadline(request, settings)
+        # receive: for a stage that drops the work of a client that hung up (stage 4)
+        job = EmbedJob(texts, normalize, truncate, cache, deadline, param, request.receive)
         try:
             result = await request.app.state.backend.embed(job)
         except APIError as exc:  # a refusal says how long it took too (a 503 should be fast)

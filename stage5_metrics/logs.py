@@ -21,6 +21,7 @@ import logging
 import queue
 import sys
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from logging.handlers import QueueHandler, QueueListener
 from typing import Any
@@ -145,6 +146,10 @@ class RequestRecord:
     cache_misses: int = 0
     queue_ms: float | None = None
     inference_ms: float | None = None
+
+
+# The record of the request being served: the middleware sets it, the backend fills it in.
+current_record: ContextVar[RequestRecord | None] = ContextVar("current_record", default=None)
 
 
 # --8<-- [start:request_log]
