@@ -37,12 +37,10 @@ from common.engine import Engine
 from common.limits import APIError, BodyGuard
 from common.routing import (
     ERRORS,
-    LeanRoute,
     body_doc,
     error_response,
     install_error_handlers,
     json_response,
-    lean_route,
     read_body,
 )
 from common.schemas import (
@@ -62,12 +60,10 @@ __all__ = [
     "EmbedJob",
     "EmbedRequest",
     "EmbedResult",
-    "LeanRoute",
     "OpenAIEmbeddingRequest",
     "check_truncation",
     "create_app",
     "json_response",
-    "lean_route",
     "read_body",
     "tokenize",
     "validate_texts",
@@ -188,9 +184,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
 
     # --8<-- [end:run_job]
 
-    @lean_route(
-        app,
-        "POST",
+    @app.post(
         "/v1/embed",
         tags=["embeddings"],
         response_model=EmbedResponse,
@@ -212,9 +206,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         }
         return json_response(payload, headers=_result_headers(result, started))
 
-    @lean_route(
-        app,
-        "POST",
+    @app.post(
         "/v1/embeddings",
         tags=["embeddings"],
         response_model=OpenAIEmbeddingResponse,
@@ -254,7 +246,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         }
         return json_response(payload, headers=_result_headers(result, started))
 
-    @lean_route(app, "GET", "/v1/models", tags=["meta"], response_model=ModelList)
+    @app.get("/v1/models", tags=["meta"], response_model=ModelList)
     async def models(request: Request) -> Response:
         """The served model, in the OpenAI shape (its `id` is what `model` accepts)."""
         engine: Engine | None = getattr(request.app.state, "engine", None)
@@ -263,14 +255,12 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
             data.append({"id": engine.model_name, "object": "model", "created": 0, "owned_by": "embedserve"})
         return json_response({"object": "list", "data": data})
 
-    @lean_route(app, "GET", "/health", tags=["meta"], response_model=Status)
+    @app.get("/health", tags=["meta"], response_model=Status)
     async def health(request: Request) -> Response:
         """Liveness: the process answers."""
         return json_response({"status": "ok"})
 
-    @lean_route(
-        app, "GET", "/ready", tags=["meta"], response_model=Status, responses={503: {"model": ErrorResponse}}
-    )
+    @app.get("/ready", tags=["meta"], response_model=Status, responses={503: {"model": ErrorResponse}})
     async def ready(request: Request) -> Response:
         """Readiness: 503 until the model is loaded and warmed, and again while draining."""
         if request.app.state.ready and not request.app.state.draining:

@@ -81,7 +81,8 @@ def error_response(exc: APIError) -> Response:
 class BodyGuard:
     """Refuse a request body that is too large, compressed, or too slow, before it is buffered.
 
-    A pure ASGI middleware (a ``BaseHTTPMiddleware`` would cost every request), three rules:
+    A pure ASGI middleware, because it wraps the ``receive`` channel the route reads the body
+    from, which FastAPI's ``@app.middleware("http")`` cannot hand on to the app. Three rules:
 
     - **size**: over ``max_bytes`` gets 413. Content-Length is checked first, and the bytes of a
       chunked body are counted as they arrive, so a 100 MB upload is cut off after ``max_bytes``.

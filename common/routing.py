@@ -1,5 +1,5 @@
 """The HTTP plumbing the API contract is built from: JSON answers, bodies read and validated in
-one pass, errors in one shape, and the lean route class.
+one pass, errors in one shape.
 
 ``common.api`` uses these to define the routes; a stage never needs them directly, except
 ``json_response`` for its own extra routes.
@@ -8,14 +8,12 @@ one pass, errors in one shape, and the lean route class.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -40,10 +38,10 @@ def json_response(payload: Any, status: int = 200, headers: dict[str, str] | Non
 async def read_body(request: Request, model: type[_Body]) -> _Body:
     """Parse and validate a JSON body in one pass, in pydantic-core.
 
-    FastAPI's own body path decodes with the stdlib ``json`` (which lets lone surrogates
-    such as ``"\\ud800"`` through to the tokenizer), then walks its dependency tree, then
-    validates the Python objects. Validating the bytes directly is faster and stricter;
-    the routes still describe their bodies in the OpenAPI schema (``body_doc``).
+    FastAPI's own body path decodes with the stdlib ``json``, which lets a lone surrogate such
+    as ``"\\ud800"`` through to the tokenizer (a 500 there); pydantic-core, validating the bytes,
+    refuses it as invalid JSON (a 422). The routes still describe their bodies in the OpenAPI
+    schema (``body_doc``).
     """
     try:
         raw = await request.body()
@@ -71,32 +69,6 @@ def body_doc(model: type[BaseModel], field: str, settings: Settings) -> dict[str
     many = {"type": "array", "items": text, "minItems": 1, "maxItems": settings.max_items}
     schema["properties"][field]["anyOf"] = [text, many]
     return {"requestBody": {"required": True, "content": {JSON: {"schema": schema}}}}
-
-
-# --8<-- [start:lean_route]
-class LeanRoute(APIRoute):
-    """A route whose endpoint takes the ``Request`` and returns a ``Response`` itself.
-
-    A custom ``APIRoute`` is FastAPI's documented hook for this. The route is declared (and
-    documented in OpenAPI) as usual; per request, FastAPI's dependency solving, body
-    handling and response serialization are skipped: this server does all three itself.
-    """
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        return self.endpoint
-
-
-# --8<-- [end:lean_route]
-
-
-def lean_route(app: FastAPI, method: str, path: str, **kwargs: Any) -> Callable[[Any], Any]:
-    """``@lean_route(app, "POST", "/v1/embed")``: register a ``LeanRoute`` (other routes keep FastAPI's)."""
-
-    def register(endpoint: Any) -> Any:
-        app.router.add_api_route(path, endpoint, methods=[method], route_class_override=LeanRoute, **kwargs)
-        return endpoint
-
-    return register
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {
