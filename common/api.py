@@ -34,11 +34,10 @@ from common.backend import (
     validate_texts,
 )
 from common.engine import Engine
-from common.limits import APIError, BodyGuard
+from common.limits import APIError, BodyGuard, error_response, not_ready
 from common.routing import (
     ERRORS,
     body_doc,
-    error_response,
     install_error_handlers,
     json_response,
     read_body,
@@ -165,8 +164,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         """Validate, hand to the stage's backend (which tokenizes and runs the model): the part
         every stage shares."""
         if not request.app.state.ready:
-            message = "the server is not ready (the model is loading, or the server is draining)"
-            raise APIError(503, message, headers={"Retry-After": "1"})
+            raise not_ready()
         validate_texts(texts, settings, param)
         if cache and "no-cache" in request.headers.get("cache-control", ""):
             cache = False
@@ -265,7 +263,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         """Readiness: 503 until the model is loaded and warmed, and again while draining."""
         if request.app.state.ready and not request.app.state.draining:
             return json_response({"status": "ready"})
-        return error_response(APIError(503, "not ready", headers={"Retry-After": "1"}))
+        return error_response(not_ready())
 
 
 def _model_aliases(engine: Engine, settings: Settings) -> set[str]:

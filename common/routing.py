@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from common.limits import APIError, error_body, error_response
+from common.limits import APIError, error_response
 from common.schemas import ErrorResponse
 from common.settings import Settings
 
@@ -123,6 +123,8 @@ def describe_validation_error(errors: Any) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Every error any route or middleware raises answers in the one shape (``error_response``)."""
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
         return error_response(exc)
@@ -131,19 +133,14 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         message, param = describe_validation_error(exc.errors())
-        return Response(error_body(422, message, param), 422, media_type=JSON)
+        return error_response(APIError(422, message, param=param))
 
     # 404 unknown route, 405 wrong method, 413/408 from BodyGuard on a chunked or slow body.
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return Response(
-            error_body(exc.status_code, str(exc.detail)),
-            exc.status_code,
-            headers=getattr(exc, "headers", None),
-            media_type=JSON,
-        )
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
-        return Response(error_body(500, f"internal error: {type(exc).__name__}"), 500, media_type=JSON)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
