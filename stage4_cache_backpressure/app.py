@@ -33,7 +33,7 @@ from fastapi.responses import Response
 
 from common.api import EmbedJob, EmbedResult, create_app, json_response, tokenize
 from common.engine import Engine, TokenizedText
-from common.limits import APIError, model_failed, not_loaded
+from common.limits import APIError, model_failed, not_ready
 from common.settings import Settings
 from stage3_batching.app import BatchingBackend, add_batcher_routes
 from stage3_batching.batcher import BatchOutcome, BatchRecord
@@ -249,7 +249,7 @@ def add_cache_routes(app: FastAPI) -> None:
         """Cache hits and misses by tier, Redis errors, de-duplicated texts, 503s, 504s, disconnects."""
         backend = getattr(request.app.state, "backend", None)
         if not isinstance(backend, CacheBackend):
-            raise not_loaded()
+            raise not_ready()
         return json_response(
             {
                 **backend.stats.as_dict(),
