@@ -42,7 +42,7 @@ from stage4_cache_backpressure.cache import Cache, CacheEntry, cache_key
 from stage4_cache_backpressure.disconnect import unless_client_leaves
 from stage4_cache_backpressure.drain import chain_signal_handlers
 from stage4_cache_backpressure.partial_result import PartialResult
-from stage4_cache_backpressure.shed import ShedWhenFull
+from stage4_cache_backpressure.shed import add_shedding
 from stage4_cache_backpressure.singleflight import LeaderGone, SingleFlight
 from stage4_cache_backpressure.stats import Stage4Stats
 
@@ -291,7 +291,7 @@ def build_app(
     )
     add_batcher_routes(app)  # NEW: stage 3's routes
     add_cache_routes(app)  # NEW: /v1/cache/metrics
-    app.add_middleware(ShedWhenFull)  # NEW: a full queue refuses requests unread
+    add_shedding(app)  # NEW: a full queue refuses requests unread
     return app
 
 
