@@ -16,9 +16,9 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request, Response
+from starlette.middleware.base import RequestResponseEndpoint
 from starlette.types import Scope
 
 from stage5_metrics.logs import RequestRecord, current_record, log_request
@@ -63,7 +63,7 @@ def add_telemetry(app: FastAPI, metrics: Metrics) -> None:
 
     # --8<-- [start:call]
     @app.middleware("http")
-    async def telemetry(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    async def telemetry(request: Request, call_next: RequestResponseEndpoint) -> Response:
         started = time.perf_counter()
         record = RequestRecord(_request_id(request.headers.get("x-request-id")))
         current_record.set(record)  # for the backend to fill in (each request runs in a task of its own)
