@@ -14,11 +14,13 @@ answers at once; that still means "B did not come first", so the test stays dete
 from __future__ import annotations
 
 import random
+import re
 import select
 import socket
 import time
 from urllib.parse import urlsplit
 
+import httpx
 import orjson
 import psutil
 import pytest
@@ -63,6 +65,19 @@ def _answer(sock: socket.socket) -> str:
 def _cpu_seconds(pid: int) -> float:
     times = psutil.Process(pid).cpu_times()
     return float(times.user + times.system)
+
+
+@pytest.mark.parametrize("stage", SERVER_STAGES)
+def test_one_short_request_is_answered(stage: str, stage_server) -> None:  # type: ignore[no-untyped-def]
+    """One short request gets its 200. It runs first: with ``make exercise STAGE=2`` it names the
+    method still to write (the NotImplementedError the server logged with its 500)."""
+    server: Server = stage_server(stage)
+    response = httpx.post(f"{server.url}/v1/embed", json={"inputs": ["one short text"]}, timeout=120)
+    todo = re.findall(r"NotImplementedError: (.+)", server.log())
+    if response.status_code == 500 and todo:  # the exercise: say what to write, not where it failed
+        doc = test_one_short_request_is_answered.__doc__
+        pytest.fail(f"NotImplementedError: {todo[-1]}\n\nThis test: {doc}", pytrace=False)
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize("stage", SERVER_STAGES)
