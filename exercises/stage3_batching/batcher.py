@@ -27,7 +27,9 @@ The first test goes through the whole path once and names the first method still
 
 Hints:
 - Never block the event loop: no ``time.sleep``, no model call outside the executor.
-- ``asyncio.Event`` wakes the loop; ``loop.call_later(seconds, event.set)`` is a timer you can cancel.
+- ``asyncio.Event`` wakes the loop; ``async with asyncio.timeout(seconds):`` bounds a wait (it
+  raises ``TimeoutError`` when the time is up); ``loop.call_later(seconds, f, arg)`` calls ``f``
+  later and returns a handle you can cancel.
 - A caller's future is created with ``asyncio.get_running_loop().create_future()``; a cancelled
   caller's future is done, so ``_gone`` drops its texts before the model.
 - The queue is a ``deque`` in arrival order: take from the left (``popleft``), look at ``[0]``.
@@ -78,9 +80,8 @@ class Batcher(stage.Batcher):
            ``self.window_s(tier)`` seconds after the oldest queued text arrived
            (``self._queue[0].req.enqueued``, a ``time.perf_counter()``).
         3. While fewer than MAX_BATCH_SIZE texts are queued and ``close()`` has not begun: if the
-           window has ended, stop waiting; otherwise clear ``self._wakeup``, start a timer that
-           sets it when the window ends, wait for it (a full batch, the window's end or close),
-           and cancel the timer.
+           window has ended, stop waiting; otherwise clear ``self._wakeup`` and wait for it (a
+           full batch, or close), at most until the window ends (``asyncio.timeout``).
         4. Return the tier.
         """
         raise NotImplementedError("TODO: _wait_for_batch: a first text, then the window")
