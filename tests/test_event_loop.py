@@ -13,11 +13,16 @@ answers at once; that still means "B did not come first", so the test stays dete
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import random
 import re
 import select
 import socket
+import threading
 import time
+from collections.abc import Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -27,6 +32,7 @@ import pytest
 from conftest import SERVER_STAGES, Server
 
 from common.corpus import texts as corpus_texts
+from common.engine import Engine
 
 BLOCKING_STAGES = {"stage1_naive"}
 BUSY_CPU_S = 0.3  # far above tokenizing the passages (~0.02 s), far below the model call (~1-4 s)
@@ -129,3 +135,54 @@ def test_health_waits_only_on_the_naive_stage(stage: str, stage_server) -> None:
         assert first_a <= first_b, f"/health answered while the model ran: {seen}"
     else:
         assert first_b < first_a, f"/health waited for the model: {seen}"
+
+
+# --- stage 2's pool, in process ----------------------------------------------------------
+POOL_STAGES = [s for s in SERVER_STAGES if hasattr(importlib.import_module(f"{s}.app"), "ThreadPoolBackend")]
+
+
+class _GatedEngine:
+    """The real engine, whose model calls wait for ``gate`` and count how many run at once."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine, self.gate, self.lock = engine, threading.Event(), threading.Lock()
+        self.running = self.most = 0
+
+    def run(self, token_ids: Sequence[Any]) -> Any:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            assert self.gate.wait(timeout=60)
+            return self._engine.run(token_ids)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+async def _until(predicate: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("stage", POOL_STAGES)
+async def test_the_pool_runs_as_many_calls_as_it_has_threads_until_closed(stage: str, engine: Engine) -> None:
+    """Stage 2's ``ThreadPoolBackend(engine, threads=1)``: one model call at a time (the second
+    waits for the first's thread), and after ``close()`` the pool takes no more calls."""
+    gated = _GatedEngine(engine)
+    backend = importlib.import_module(f"{stage}.app").ThreadPoolBackend(gated, 1)
+    ids = [t.ids for t in engine.tokenize(["a text for the pool"])]
+    calls = [asyncio.ensure_future(backend.run_model(ids)) for _ in range(2)]
+    try:
+        await _until(lambda: gated.running == 1)
+        finished, _ = await asyncio.wait(calls, timeout=0.2)
+        assert not finished and gated.running == 1, "a second call ran beside the first"
+    finally:
+        gated.gate.set()
+    answers = await asyncio.wait_for(asyncio.gather(*calls), 60)
+    assert gated.most == 1 and [vectors.shape for vectors, _ms in answers] == [(1, engine.dimensions)] * 2
+    await backend.close()
+    with pytest.raises(RuntimeError):  # the pool is shut down
+        await backend.run_model(ids)
