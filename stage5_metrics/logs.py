@@ -96,7 +96,8 @@ class _Queued(QueueHandler):
         self.listener.start()
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        # The default turns the record into one preformatted string; the listener formats it instead.
+        # The default folds the traceback into the message; kept apart, the JSON line's `msg` stays
+        # the message and the traceback is its `exc` field. The listener's formatter does the rest.
         record.msg, record.args = record.getMessage(), None
         if record.exc_info:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
