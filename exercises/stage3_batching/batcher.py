@@ -4,8 +4,8 @@ Stage 2 makes one model call per request. Here many requests share one call: eac
 its texts in one queue with one future and awaits it; one background task waits for a first
 text, then up to BATCH_WINDOW_MS for company, takes the oldest texts that fit MAX_BATCH_SIZE and
 MAX_BATCH_TOKENS, runs them in an executor thread and hands each caller its own rows. If the
-model raises, every caller of that batch gets the error. Chapter: docs/stage3.md, "The textbook
-batcher" (the refinements after it are not part of this exercise).
+model raises, every caller of that batch gets the error. Chapter: docs/stage3.md#the-textbook-batcher
+(the refinements after it are not part of this exercise).
 
 Write the five methods below, in the order a request meets them (and the first test names
 them): ``submit``, ``_wait_for_batch``, ``_take``, ``_run_batch`` (the fan-out) and ``_run_rows``
