@@ -73,7 +73,7 @@ def install_auth(app: FastAPI, settings: Settings) -> None:
     @app.middleware("http")
     async def bearer_auth(request: Request, call_next: RequestResponseEndpoint) -> Response:
         header = request.headers.get("authorization")
-        if not _protected(request.scope["path"], settings.protect_metrics) or allowed(header, keys):
+        if not _protected(request.url.path, settings.protect_metrics) or allowed(header, keys):
             return await call_next(request)
         # Never echo what the client sent: it may be a real key meant for another server.
         missing = "missing API key: send `Authorization: Bearer <key>`"
