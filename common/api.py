@@ -34,15 +34,12 @@ from common.backend import (
     validate_texts,
 )
 from common.engine import Engine
-from common.limits import APIError, BodyGuard
+from common.limits import APIError, BodyGuard, error_response, not_ready
 from common.routing import (
     ERRORS,
-    LeanRoute,
     body_doc,
-    error_response,
     install_error_handlers,
     json_response,
-    lean_route,
     read_body,
 )
 from common.schemas import (
@@ -62,12 +59,10 @@ __all__ = [
     "EmbedJob",
     "EmbedRequest",
     "EmbedResult",
-    "LeanRoute",
     "OpenAIEmbeddingRequest",
     "check_truncation",
     "create_app",
     "json_response",
-    "lean_route",
     "read_body",
     "tokenize",
     "validate_texts",
@@ -169,16 +164,13 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         """Validate, hand to the stage's backend (which tokenizes and runs the model): the part
         every stage shares."""
         if not request.app.state.ready:
-            message = "the server is not ready (the model is loading, or the server is draining)"
-            raise APIError(503, message, headers={"Retry-After": "1"})
+            raise not_ready()
         validate_texts(texts, settings, param)
         if cache and "no-cache" in request.headers.get("cache-control", ""):
             cache = False
-        job = EmbedJob(
-            texts, normalize, truncate, cache, _deadline(request, settings), param,
-            receive=request.receive,  # for a stage that drops the work of a client that hung up
-            log_record=getattr(request.state, "log_record", None),  # a middleware's (stage 5's log line)
-        )  # fmt: skip
+        deadline = _deadline(request, settings)
+        # receive: for a stage that drops the work of a client that hung up (stage 4)
+        job = EmbedJob(texts, normalize, truncate, cache, deadline, param, request.receive)
         try:
             result = await request.app.state.backend.embed(job)
         except APIError as exc:  # a refusal says how long it took too (a 503 should be fast)
@@ -190,9 +182,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
 
     # --8<-- [end:run_job]
 
-    @lean_route(
-        app,
-        "POST",
+    @app.post(
         "/v1/embed",
         tags=["embeddings"],
         response_model=EmbedResponse,
@@ -214,9 +204,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         }
         return json_response(payload, headers=_result_headers(result, started))
 
-    @lean_route(
-        app,
-        "POST",
+    @app.post(
         "/v1/embeddings",
         tags=["embeddings"],
         response_model=OpenAIEmbeddingResponse,
@@ -256,7 +244,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         }
         return json_response(payload, headers=_result_headers(result, started))
 
-    @lean_route(app, "GET", "/v1/models", tags=["meta"], response_model=ModelList)
+    @app.get("/v1/models", tags=["meta"], response_model=ModelList)
     async def models(request: Request) -> Response:
         """The served model, in the OpenAI shape (its `id` is what `model` accepts)."""
         engine: Engine | None = getattr(request.app.state, "engine", None)
@@ -265,19 +253,17 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
             data.append({"id": engine.model_name, "object": "model", "created": 0, "owned_by": "embedserve"})
         return json_response({"object": "list", "data": data})
 
-    @lean_route(app, "GET", "/health", tags=["meta"], response_model=Status)
+    @app.get("/health", tags=["meta"], response_model=Status)
     async def health(request: Request) -> Response:
         """Liveness: the process answers."""
         return json_response({"status": "ok"})
 
-    @lean_route(
-        app, "GET", "/ready", tags=["meta"], response_model=Status, responses={503: {"model": ErrorResponse}}
-    )
+    @app.get("/ready", tags=["meta"], response_model=Status, responses={503: {"model": ErrorResponse}})
     async def ready(request: Request) -> Response:
         """Readiness: 503 until the model is loaded and warmed, and again while draining."""
         if request.app.state.ready and not request.app.state.draining:
             return json_response({"status": "ready"})
-        return error_response(APIError(503, "not ready", headers={"Retry-After": "1"}))
+        return error_response(not_ready())
 
 
 def _model_aliases(engine: Engine, settings: Settings) -> set[str]:

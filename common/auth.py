@@ -1,4 +1,4 @@
-"""Optional bearer-key access control, as a pure ASGI middleware.
+"""Optional bearer-key access control, as a middleware.
 
 With ``API_KEY`` unset nothing changes. With ``API_KEY=key1,key2`` every ``/v1/*`` route
 needs ``Authorization: Bearer <one of the keys>``; ``/metrics`` and ``/dashboard`` too
@@ -15,13 +15,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from fastapi import FastAPI
-from starlette.types import ASGIApp, Receive, Scope, Send
+from fastapi import FastAPI, Request, Response
+from starlette.middleware.base import RequestResponseEndpoint
 
 from common.limits import APIError, error_response
 from common.settings import Settings
 
 _METRICS_PATHS = ("/metrics", "/dashboard")
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="embedserve"'}
 
 
 def parse_keys(raw: str) -> list[bytes]:
@@ -34,59 +35,47 @@ def _digest(value: bytes) -> bytes:
     return hashlib.sha256(value).digest()
 
 
-class BearerAuth:
-    """401 in the OpenAI error shape unless the request carries one of the keys."""
+def _protected(path: str, protect_metrics: bool) -> bool:
+    if path == "/v1" or path.startswith("/v1/"):
+        return True
+    return protect_metrics and any(path == p or path.startswith(p + "/") for p in _METRICS_PATHS)
 
-    def __init__(self, app: ASGIApp, keys: list[bytes], protect_metrics: bool = True) -> None:
-        if not keys:
-            raise ValueError("BearerAuth needs at least one key")
-        self.app = app
-        self.keys = keys
-        self.protect_metrics = protect_metrics
 
-    def _protected(self, path: str) -> bool:
-        if path == "/v1" or path.startswith("/v1/"):
-            return True
-        return self.protect_metrics and any(path == p or path.startswith(p + "/") for p in _METRICS_PATHS)
+# --8<-- [start:check]
+def allowed(header: str | None, keys: list[bytes]) -> bool:
+    """Whether an ``Authorization`` header carries one of the keys (their digests)."""
+    if header is None:
+        return False
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return False
+    presented = _digest(token.strip().encode("latin-1"))
+    # Compare against every key, never stopping early, so timing says nothing about which matched.
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(presented, key)
+    return matched
 
-    # --8<-- [start:check]
-    def _allowed(self, header: bytes | None) -> bool:
-        if header is None:
-            return False
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not token.strip():
-            return False
-        presented = _digest(token.strip())
-        # Compare against every key, never stopping early, so timing says nothing about which matched.
-        matched = False
-        for key in self.keys:
-            matched |= hmac.compare_digest(presented, key)
-        return matched
 
-    # --8<-- [end:check]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self._protected(scope["path"]):
-            await self.app(scope, receive, send)
-            return
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        if self._allowed(header):
-            await self.app(scope, receive, send)
-            return
-        # Never echo what the client sent: it may be a real key meant for another server.
-        message = (
-            "missing API key: send `Authorization: Bearer <key>`" if header is None else "invalid API key"
-        )
-        challenge = {"WWW-Authenticate": 'Bearer realm="embedserve"'}
-        await error_response(APIError(401, message, headers=challenge))(scope, receive, send)
+# --8<-- [end:check]
 
 
 def install_auth(app: FastAPI, settings: Settings) -> None:
-    """Add :class:`BearerAuth` when ``API_KEY`` is set (call it after the other middleware: outermost)."""
+    """The access check, when ``API_KEY`` is set (call it after the other middleware: outermost).
+    401 in the API's error shape unless the request carries one of the keys."""
     raw = settings.api_key.get_secret_value().strip() if settings.api_key is not None else ""
     if not raw:  # unset, or `API_KEY=` in an env file: no access control
         return
     keys = parse_keys(raw)
     if not keys:  # `API_KEY=,` must not silently mean "open to all"
         raise ValueError("API_KEY holds no key: give one or several comma-separated keys")
-    app.add_middleware(BearerAuth, keys=keys, protect_metrics=settings.protect_metrics)
+
+    @app.middleware("http")
+    async def bearer_auth(request: Request, call_next: RequestResponseEndpoint) -> Response:
+        header = request.headers.get("authorization")
+        if not _protected(request.url.path, settings.protect_metrics) or allowed(header, keys):
+            return await call_next(request)
+        # Never echo what the client sent: it may be a real key meant for another server.
+        missing = "missing API key: send `Authorization: Bearer <key>`"
+        message = missing if header is None else "invalid API key"
+        return error_response(APIError(401, message, headers=dict(_CHALLENGE)))

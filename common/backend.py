@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 from starlette.concurrency import run_in_threadpool
@@ -37,8 +37,6 @@ class EmbedJob:
     param: str = "inputs"  # the body field the texts came from, for error messages
     # The request's ASGI channel, where a client hanging up arrives (stage 4 drops its work then).
     receive: Receive | None = None
-    # What a middleware keeps for this request and the backend fills in (stage 5: its log line).
-    log_record: Any = None
 
 
 @dataclass(slots=True)

@@ -8,7 +8,6 @@ Every error any stage returns has the OpenAI shape::
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import orjson
 from starlette.exceptions import HTTPException
@@ -51,9 +50,11 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-def not_loaded() -> APIError:
-    """A route that needs the backend, asked before the lifespan has made it."""
-    return APIError(503, "the model is not loaded yet", headers={"Retry-After": "1"})
+def not_ready() -> APIError:
+    """A request that needs the backend while there is none: before the lifespan has made it, or
+    after it has closed it (and ``/ready`` from the drain's start)."""
+    message = "the server is not ready: the model is loading, or the server is shutting down"
+    return APIError(503, message, headers={"Retry-After": "1"})
 
 
 def model_failed(exc: Exception) -> APIError:
@@ -61,27 +62,21 @@ def model_failed(exc: Exception) -> APIError:
     return APIError(500, f"the model failed on this request: {type(exc).__name__}")
 
 
-def error_body(status: int, message: str, param: str | None = None, type: str | None = None) -> bytes:
-    error: dict[str, Any] = {
-        "type": type or _TYPES.get(status, "invalid_request_error"),
-        "message": message,
-        "param": param,
-        "code": status,
-    }
-    return orjson.dumps({"error": error})
-
-
 def error_response(exc: APIError) -> Response:
-    """The error as a JSON response. A Starlette response is an ASGI app too, so a pure ASGI
-    middleware answers with it before any route runs: ``await error_response(exc)(scope, receive, send)``."""
-    body = error_body(exc.status, exc.message, exc.param, exc.type)
-    return Response(body, exc.status, headers=exc.headers, media_type="application/json")
+    """The one way any error is answered, as JSON in the shape above. A Starlette response is an
+    ASGI app too, so a pure ASGI middleware answers with it before any route runs:
+    ``await error_response(exc)(scope, receive, send)``."""
+    error = {"type": exc.type, "message": exc.message, "param": exc.param, "code": exc.status}
+    return Response(
+        orjson.dumps({"error": error}), exc.status, headers=exc.headers, media_type="application/json"
+    )
 
 
 class BodyGuard:
     """Refuse a request body that is too large, compressed, or too slow, before it is buffered.
 
-    A pure ASGI middleware (a ``BaseHTTPMiddleware`` would cost every request), three rules:
+    A pure ASGI middleware, because it wraps the ``receive`` channel the route reads the body
+    from, which FastAPI's ``@app.middleware("http")`` cannot hand on to the app. Three rules:
 
     - **size**: over ``max_bytes`` gets 413. Content-Length is checked first, and the bytes of a
       chunked body are counted as they arrive, so a 100 MB upload is cut off after ``max_bytes``.

@@ -1,5 +1,5 @@
 """The HTTP plumbing the API contract is built from: JSON answers, bodies read and validated in
-one pass, errors in one shape, and the lean route class.
+one pass, errors in one shape.
 
 ``common.api`` uses these to define the routes; a stage never needs them directly, except
 ``json_response`` for its own extra routes.
@@ -8,19 +8,17 @@ one pass, errors in one shape, and the lean route class.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from common.limits import APIError, error_body, error_response
+from common.limits import APIError, error_response
 from common.schemas import ErrorResponse
 from common.settings import Settings
 
@@ -31,7 +29,7 @@ _Body = TypeVar("_Body", bound=BaseModel)
 
 
 def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    """orjson with numpy support: 384 floats per vector is the hot path of every answer."""
+    """JSON by orjson, which writes the numpy vectors as they are (``OPT_SERIALIZE_NUMPY``)."""
     body = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
     return Response(body, status_code=status, headers=headers, media_type=JSON)
 
@@ -40,10 +38,10 @@ def json_response(payload: Any, status: int = 200, headers: dict[str, str] | Non
 async def read_body(request: Request, model: type[_Body]) -> _Body:
     """Parse and validate a JSON body in one pass, in pydantic-core.
 
-    FastAPI's own body path decodes with the stdlib ``json`` (which lets lone surrogates
-    such as ``"\\ud800"`` through to the tokenizer), then walks its dependency tree, then
-    validates the Python objects. Validating the bytes directly is faster and stricter;
-    the routes still describe their bodies in the OpenAPI schema (``body_doc``).
+    FastAPI's own body path decodes with the stdlib ``json``, which lets a lone surrogate such
+    as ``"\\ud800"`` through to the tokenizer (a 500 there); pydantic-core, validating the bytes,
+    refuses it as invalid JSON (a 422). The routes still describe their bodies in the OpenAPI
+    schema (``body_doc``).
     """
     try:
         raw = await request.body()
@@ -71,32 +69,6 @@ def body_doc(model: type[BaseModel], field: str, settings: Settings) -> dict[str
     many = {"type": "array", "items": text, "minItems": 1, "maxItems": settings.max_items}
     schema["properties"][field]["anyOf"] = [text, many]
     return {"requestBody": {"required": True, "content": {JSON: {"schema": schema}}}}
-
-
-# --8<-- [start:lean_route]
-class LeanRoute(APIRoute):
-    """A route whose endpoint takes the ``Request`` and returns a ``Response`` itself.
-
-    A custom ``APIRoute`` is FastAPI's documented hook for this. The route is declared (and
-    documented in OpenAPI) as usual; per request, FastAPI's dependency solving, body
-    handling and response serialization are skipped: this server does all three itself.
-    """
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        return self.endpoint
-
-
-# --8<-- [end:lean_route]
-
-
-def lean_route(app: FastAPI, method: str, path: str, **kwargs: Any) -> Callable[[Any], Any]:
-    """``@lean_route(app, "POST", "/v1/embed")``: register a ``LeanRoute`` (other routes keep FastAPI's)."""
-
-    def register(endpoint: Any) -> Any:
-        app.router.add_api_route(path, endpoint, methods=[method], route_class_override=LeanRoute, **kwargs)
-        return endpoint
-
-    return register
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -151,6 +123,8 @@ def describe_validation_error(errors: Any) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Every error any route or middleware raises answers in the one shape (``error_response``)."""
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
         return error_response(exc)
@@ -159,19 +133,14 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         message, param = describe_validation_error(exc.errors())
-        return Response(error_body(422, message, param), 422, media_type=JSON)
+        return error_response(APIError(422, message, param=param))
 
     # 404 unknown route, 405 wrong method, 413/408 from BodyGuard on a chunked or slow body.
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return Response(
-            error_body(exc.status_code, str(exc.detail)),
-            exc.status_code,
-            headers=getattr(exc, "headers", None),
-            media_type=JSON,
-        )
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
-        return Response(error_body(500, f"internal error: {type(exc).__name__}"), 500, media_type=JSON)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}"))

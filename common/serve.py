@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         host=settings.host,
         port=settings.port,
         workers=settings.workers,  # several: one socket, each process imports the app and loads the model
-        # uvicorn's access log costs about as much as a small request; stage 5 logs requests itself.
+        # Off: stage 5 writes its own line per request, with the counts uvicorn's would lack.
         access_log=False,
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=int(settings.drain_timeout_s),

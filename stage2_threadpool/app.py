@@ -14,25 +14,17 @@ Every request still makes its own model call. ``stage3_batching`` groups them.
 from __future__ import annotations
 
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from common.api import EmbedJob, EmbedResult, create_app, tokenize
-from common.engine import Engine, l2_normalize
+from common.api import create_app
+from common.engine import Engine
 from common.settings import Settings
-from stage1_naive.app import NaiveBackend
+from stage1_naive.app import NaiveBackend, timed_run
 
 
 # --8<-- [start:backend]
-def _timed(engine: Engine, token_ids: list[np.ndarray]) -> tuple[np.ndarray, float]:
-    """In a pool thread: the model call, timed there (x-inference-time is the model alone, not the
-    wait for a free thread, which x-total-time includes)."""
-    started = time.perf_counter()
-    return engine.run(token_ids), (time.perf_counter() - started) * 1e3
-
-
 class ThreadPoolBackend(NaiveBackend):
     def __init__(self, engine: Engine, threads: int) -> None:
         super().__init__(engine)
@@ -40,15 +32,10 @@ class ThreadPoolBackend(NaiveBackend):
         # (or borrowing Starlette's 40-thread pool, which would oversubscribe 2 cores).
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="model")
 
-    async def embed(self, job: EmbedJob) -> EmbedResult:
-        tokens = await tokenize(self.engine, job)
-        loop = asyncio.get_running_loop()
-        # NEW: the event loop stays free while a pool thread runs the model.
-        ids = [t.ids for t in tokens]
-        vectors, inference_ms = await loop.run_in_executor(self.pool, _timed, self.engine, ids)
-        if job.normalize:
-            vectors = l2_normalize(vectors)
-        return EmbedResult(vectors, [t.n_tokens for t in tokens], [t.truncated for t in tokens], inference_ms)
+    async def run_model(self, ids: list[np.ndarray]) -> tuple[np.ndarray, float]:
+        # NEW: the event loop stays free while a pool thread runs (and times) the model; the wait
+        # for a free thread is in x-total-time, not in x-inference-time.
+        return await asyncio.get_running_loop().run_in_executor(self.pool, timed_run, self.engine, ids)
 
     async def close(self) -> None:
         self.pool.shutdown(wait=True)

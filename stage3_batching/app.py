@@ -22,7 +22,7 @@ from fastapi.responses import Response
 
 from common.api import EmbedJob, EmbedResult, create_app, json_response, tokenize
 from common.engine import Engine, l2_normalize
-from common.limits import APIError, model_failed, not_loaded
+from common.limits import APIError, model_failed, not_ready
 from common.settings import Settings
 from stage1_naive.app import NaiveBackend
 from stage3_batching.batcher import Batcher, BatchRecord
@@ -84,7 +84,7 @@ def batcher_of(request: Request) -> Batcher:
     backend = getattr(request.app.state, "backend", None)
     batcher = getattr(backend, "batcher", None)
     if not isinstance(batcher, Batcher):
-        raise not_loaded()
+        raise not_ready()
     return batcher
 
 

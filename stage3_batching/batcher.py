@@ -240,9 +240,11 @@ class Batcher:
             if left <= 0:
                 break
             self._wakeup.clear()
-            timer = asyncio.get_running_loop().call_later(left, self._wakeup.set)
-            await self._wakeup.wait()  # a full batch, the window's end, or close()
-            timer.cancel()
+            try:
+                async with asyncio.timeout(left):
+                    await self._wakeup.wait()  # a full batch, or close()
+            except TimeoutError:  # the window's end
+                break
         return tier
 
     # --8<-- [end:wait]

@@ -33,7 +33,7 @@ from fastapi.responses import Response
 
 from common.api import EmbedJob, EmbedResult, create_app, json_response, tokenize
 from common.engine import Engine, TokenizedText
-from common.limits import APIError, model_failed, not_loaded
+from common.limits import APIError, model_failed, not_ready
 from common.settings import Settings
 from stage3_batching.app import BatchingBackend, add_batcher_routes
 from stage3_batching.batcher import BatchOutcome, BatchRecord
@@ -42,7 +42,7 @@ from stage4_cache_backpressure.cache import Cache, CacheEntry, cache_key
 from stage4_cache_backpressure.disconnect import unless_client_leaves
 from stage4_cache_backpressure.drain import chain_signal_handlers
 from stage4_cache_backpressure.partial_result import PartialResult
-from stage4_cache_backpressure.shed import ShedWhenFull
+from stage4_cache_backpressure.shed import add_shedding
 from stage4_cache_backpressure.singleflight import LeaderGone, SingleFlight
 from stage4_cache_backpressure.stats import Stage4Stats
 
@@ -249,7 +249,7 @@ def add_cache_routes(app: FastAPI) -> None:
         """Cache hits and misses by tier, Redis errors, de-duplicated texts, 503s, 504s, disconnects."""
         backend = getattr(request.app.state, "backend", None)
         if not isinstance(backend, CacheBackend):
-            raise not_loaded()
+            raise not_ready()
         return json_response(
             {
                 **backend.stats.as_dict(),
@@ -291,7 +291,7 @@ def build_app(
     )
     add_batcher_routes(app)  # NEW: stage 3's routes
     add_cache_routes(app)  # NEW: /v1/cache/metrics
-    app.add_middleware(ShedWhenFull)  # NEW: a full queue refuses requests unread
+    add_shedding(app)  # NEW: a full queue refuses requests unread
     return app
 
 

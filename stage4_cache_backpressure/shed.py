@@ -5,7 +5,7 @@ and looked up in the cache. Under a flood of clients that send again the moment 
 those refusals take the event loop from the requests that were admitted: the model slots then wait
 for the loop, and the server answers fewer 200s the harder it is pushed (the flood in
 ``docs/results/stage4.md``). A refusal here costs only what uvicorn already did (the headers are
-parsed): a pure ASGI middleware looks at the queue and, when it is full, answers 503 (or 429) with
+parsed): a middleware looks at the queue and, when it is full, answers 503 (or 429) with
 Retry-After before the body is read.
 
 The price: while the queue is full, a request whose texts are all cached is refused too (it is not
@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from fastapi import FastAPI, Request, Response
+from starlette.middleware.base import RequestResponseEndpoint
 
 from common.limits import error_response
 
@@ -26,24 +27,21 @@ EMBED_PATHS = frozenset({"/v1/embed", "/v1/embeddings"})
 
 
 # --8<-- [start:shed]
-class ShedWhenFull:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in EMBED_PATHS and scope["method"] == "POST":
-            # The backend is on the app's state once the model has loaded (``common.api``'s lifespan).
-            backend = getattr(scope["app"].state, "backend", None)
-            if backend is not None and backend.admission.full():
-                started = time.perf_counter()
-                backend.stats.rejected += 1
-                if backend.settings.shed_delay_ms > 0:  # NEW: a client that sends again at once waits
-                    await asyncio.sleep(backend.settings.shed_delay_ms / 1e3)
-                refusal = backend.admission.overloaded(backend.admission.depth(), 1)
-                refusal.headers["x-total-time"] = f"{(time.perf_counter() - started) * 1e3:.2f}"
-                await error_response(refusal)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+def add_shedding(app: FastAPI) -> None:
+    @app.middleware("http")
+    async def shed_when_full(request: Request, call_next: RequestResponseEndpoint) -> Response:
+        # The backend is on the app's state once the model has loaded (``common.api``'s lifespan).
+        backend = getattr(request.app.state, "backend", None)
+        embedding = request.method == "POST" and request.url.path in EMBED_PATHS
+        if not embedding or backend is None or not backend.admission.full():
+            return await call_next(request)
+        started = time.perf_counter()
+        backend.stats.rejected += 1
+        if backend.settings.shed_delay_ms > 0:  # NEW: a client that sends again at once waits
+            await asyncio.sleep(backend.settings.shed_delay_ms / 1e3)
+        refusal = backend.admission.overloaded(backend.admission.depth(), 1)
+        refusal.headers["x-total-time"] = f"{(time.perf_counter() - started) * 1e3:.2f}"
+        return error_response(refusal)
 
 
 # --8<-- [end:shed]

@@ -26,11 +26,11 @@ from common.settings import Settings, get_settings
 from stage3_batching.batcher import BatchRecord
 from stage4_cache_backpressure import app as stage4
 from stage5_metrics.dashboard import add_dashboard_routes
-from stage5_metrics.logs import RequestRecord, configure_logging, stop_logging
+from stage5_metrics.logs import configure_logging, current_record, stop_logging
 from stage5_metrics.metrics import Metrics
 from stage5_metrics.savings import CostModel
 from stage5_metrics.stage_counts import StageCounts
-from stage5_metrics.telemetry import TelemetryMiddleware
+from stage5_metrics.telemetry import add_telemetry
 from stage5_metrics.window import Window
 
 
@@ -65,7 +65,7 @@ class MetricsBackend(stage4.CacheBackend):
         stop_logging()  # NEW: the last request lines, before a SIGTERM ends the process
 
     async def embed(self, job: EmbedJob) -> EmbedResult:
-        record = job.log_record if isinstance(job.log_record, RequestRecord) else None
+        record = current_record.get()  # NEW: this request's log line (the middleware's)
         if record is not None:  # NEW: the text count first, so a 503 or 504 is logged with it too
             record.texts = len(job.texts)
         result = await super().embed(job)
@@ -140,7 +140,7 @@ def build_app(settings: Settings | None = None, backend: BackendFactory = Metric
 
     app = stage4.build_app(settings, make_backend, "stage5_metrics", __doc__ or "")  # stage 4's app
     add_dashboard_routes(app, metrics, window)  # NEW: /metrics, /v1/metrics, /v1/dashboard, /dashboard
-    app.add_middleware(TelemetryMiddleware, metrics=metrics)  # NEW: outermost, so it sees every answer
+    add_telemetry(app, metrics)  # NEW: outermost, so it sees every answer
     return app
 
 

@@ -21,6 +21,7 @@ import logging
 import queue
 import sys
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from logging.handlers import QueueHandler, QueueListener
 from typing import Any
@@ -95,7 +96,8 @@ class _Queued(QueueHandler):
         self.listener.start()
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        # The default turns the record into one preformatted string; the listener formats it instead.
+        # The default folds the traceback into the message; kept apart, the JSON line's `msg` stays
+        # the message and the traceback is its `exc` field. The listener's formatter does the rest.
         record.msg, record.args = record.getMessage(), None
         if record.exc_info:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
@@ -145,6 +147,10 @@ class RequestRecord:
     cache_misses: int = 0
     queue_ms: float | None = None
     inference_ms: float | None = None
+
+
+# The record of the request being served: the middleware sets it, the backend fills it in.
+current_record: ContextVar[RequestRecord | None] = ContextVar("current_record", default=None)
 
 
 # --8<-- [start:request_log]

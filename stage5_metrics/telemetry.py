@@ -1,29 +1,27 @@
 """Per request: an id, a timer, the counters and the log line, in one middleware.
 
-``TelemetryMiddleware`` gives each request an id (the caller's ``X-Request-ID`` when it is
-sane, else a new one), returns it in ``x-request-id``, and once the answer is out counts the
-request by route and status and writes its log line. On the way, the backend fills the
-request's ``RequestRecord`` from its typed result (texts, tokens, cache hits, queue and model time).
+``add_telemetry`` gives each request an id (the caller's ``X-Request-ID`` when it is sane, else a
+new one), returns it in ``x-request-id``, and once the app has answered counts the request by
+route and status and writes its log line. On the way, the backend fills the request's
+``RequestRecord`` (``logs.current_record``) from its typed result: texts, tokens, cache hits,
+queue and model time.
 
-It is a pure ASGI middleware, not FastAPI's ``@app.middleware("http")`` (Starlette's
-``BaseHTTPMiddleware``, which runs the rest of the app in a task group and streams the answer
-through a memory stream; Starlette's documentation lists its limitations, context variables
-and background tasks among them). Starlette's own middleware are all pure ASGI, and so are the
-others here (``common/limits.py``, ``common/auth.py``, stage 4's ``shed.py``): a middleware that
-only watches the messages go by needs nothing more.
+It is FastAPI's own ``@app.middleware("http")``. Stage 4's client-disconnect watch, deadlines and
+drain work through it unchanged (``tests/test_stage5_metrics.py`` hangs up on a queued request).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
 import re
 import time
+import uuid
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from fastapi import FastAPI, Request, Response
+from starlette.middleware.base import RequestResponseEndpoint
+from starlette.types import Scope
 
-from stage5_metrics.logs import RequestRecord, log_request
+from stage5_metrics.logs import RequestRecord, current_record, log_request
 from stage5_metrics.metrics import EMBED_ROUTES, STATIC_ROUTE, Metrics
 
 QUIET_ROUTES = frozenset(
@@ -31,16 +29,13 @@ QUIET_ROUTES = frozenset(
 )
 _KNOWN_PATHS = EMBED_ROUTES | QUIET_ROUTES | {"/v1/models"}
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_CLIENT_GONE = 499  # no answer was made: the client left first (nginx's code for it)
-# Generated ids: a random half per process, a counter for the other (cheaper than 16 random bytes).
-_ID_PREFIX = os.urandom(8).hex()
-_ID_COUNTER = itertools.count()
+_CLIENT_GONE = 499  # no answer was made: the server gave up on the request (nginx's code for it)
 
 
 def _request_id(given: str | None) -> str:
     if given is not None and _REQUEST_ID.fullmatch(given):
         return given
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
+    return uuid.uuid4().hex
 
 
 def route_of(scope: Scope) -> str:
@@ -63,40 +58,26 @@ def finish(metrics: Metrics, scope: Scope, record: RequestRecord, status: int, s
 
 
 # --8<-- [start:middleware]
-class TelemetryMiddleware:
-    """A pure ASGI middleware: it wraps ``send`` to read the status and add ``x-request-id``."""
-
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app, self.metrics = app, metrics
+def add_telemetry(app: FastAPI, metrics: Metrics) -> None:
+    """The middleware, outermost when added last, so it sees every answer."""
 
     # --8<-- [start:call]
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    @app.middleware("http")
+    async def telemetry(request: Request, call_next: RequestResponseEndpoint) -> Response:
         started = time.perf_counter()
-        given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
-        record = RequestRecord(_request_id(given))
-        # request.state.log_record: the contract hands it to the backend, as the job's log_record
-        scope.setdefault("state", {})["log_record"] = record
-        header = (b"x-request-id", record.request_id.encode())
+        record = RequestRecord(_request_id(request.headers.get("x-request-id")))
+        current_record.set(record)  # for the backend to fill in (each request runs in a task of its own)
         status = _CLIENT_GONE
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message["headers"] = [*message.get("headers", ()), header]
-            await send(message)
-
         try:
-            await self.app(scope, receive, send_with_id)
+            response = await call_next(request)
+            status = response.status_code
         except Exception:
-            if status == _CLIENT_GONE:
-                status = 500  # Starlette's outermost handler answers it after us
+            status = 500  # Starlette's outermost handler answers it after us
             raise
         finally:  # also when cancelled: the server gave up on the request, logged as 499
-            finish(self.metrics, scope, record, status, time.perf_counter() - started)
+            finish(metrics, request.scope, record, status, time.perf_counter() - started)
+        response.headers["x-request-id"] = record.request_id
+        return response
 
     # --8<-- [end:call]
 

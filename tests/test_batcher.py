@@ -26,7 +26,7 @@ from common import corpus
 from common.engine import Engine, TokenizedText, l2_normalize
 from common.settings import Settings
 from stage3_batching.app import RefinedBatcher
-from stage3_batching.batcher import BatchOutcome, BatchRecord, DeadlineExceeded
+from stage3_batching.batcher import BatchOutcome, BatchRecord, Computed, DeadlineExceeded
 from stage3_batching.lengths import length_buckets
 
 Batcher = textbook_batcher()  # stage 3's; with EXERCISE=1 yours (exercises/stage3_batching/batcher.py)
@@ -171,6 +171,18 @@ async def test_one_request_goes_the_whole_way_through_the_batcher(
         pytest.fail(f"NotImplementedError: {outcome}\n\nThis test: {doc}", pytrace=False)
     assert markers(outcome) == [1, 2] and outcome.batch_sizes == [2]
     assert [(r.size, r.calls, r.error) for r in records] == [(2, 1, None)]
+    assert outcome.queue_ms == max(records[0].queue_ms)  # the longest wait of its texts
+
+
+@KINDS
+async def test_no_texts_are_answered_at_once(
+    model: FakeModel, records: list[BatchRecord], kind: Kind
+) -> None:
+    """An empty list of texts: answered at once, with no vector and no batch."""
+    batcher = await started(model, records, kind)
+    outcome = await asyncio.wait_for(batcher.submit([]), SHORT)
+    assert outcome.vectors.shape == (0, 0) and outcome.batch_sizes == [] and not model.calls
+    await batcher.close()
 
 
 # --- tiers -------------------------------------------------------------------------
@@ -228,6 +240,40 @@ async def test_an_expired_window_does_not_wait(
     model.gate.set()
     await done(first, *some)
     assert model.sizes() == [1, 4]
+    await batcher.close()
+
+
+@KINDS
+async def test_a_batch_that_fills_during_its_window_goes_at_once(
+    model: FakeModel, records: list[BatchRecord], kind: Kind
+) -> None:
+    """The loop waits up to BATCH_WINDOW_MS for company, never past a full batch: the request
+    that fills it wakes the loop."""
+    batcher = await started(model, records, kind, batch_window_ms=WINDOW_MS, batch_low_threshold=1)
+    some = [submit(batcher, m) for m in (1, 2, 3)]
+    finished, _ = await asyncio.wait(some, timeout=BLOCKED)  # meanwhile the loop waits for the window
+    assert not finished, "the batch went before its window or a full batch"
+    rest = [submit(batcher, m) for m in range(4, 9)]  # 8 = MAX_BATCH_SIZE
+    await done(*some, *rest)
+    assert model.sizes() == [8]
+    await batcher.close()
+
+
+@pytest.mark.parametrize("kind", [Batcher], ids=["textbook"])
+async def test_the_window_counts_from_the_oldest_text_s_arrival(
+    model: FakeModel, records: list[BatchRecord], kind: Kind
+) -> None:
+    """Texts that waited a whole BATCH_WINDOW_MS for a free slot go as soon as one frees: the
+    window started when the oldest of them arrived, not when the slot freed."""
+    window_s = 1.0
+    batcher = await started(model, records, kind, batch_window_ms=window_s * 1e3, batch_low_threshold=1)
+    first = await hold_model(batcher, model)
+    some = [submit(batcher, m) for m in (1, 2, 3)]
+    await asyncio.sleep(window_s)  # their window passes while the only slot is busy
+    model.gate.set()
+    finished, _ = await asyncio.wait([first, *some], timeout=window_s / 2)
+    assert len(finished) == 4, "the texts waited a second window once the slot was free"
+    assert model.sizes() == [1, 3]
     await batcher.close()
 
 
@@ -312,6 +358,27 @@ async def test_a_request_larger_than_a_batch_is_answered_whole_and_in_order(
     assert big.result().batch_sizes == [8, 8, 4]
     assert markers(small.result()) == [5] and small.result().batch_sizes == [4]
     assert big.result().vectors.shape == (19, 4)
+
+
+@pytest.mark.parametrize("kind", [Batcher], ids=["textbook"])
+async def test_a_limit_on_the_batch_cuts_between_requests_never_inside_one(
+    model: FakeModel, records: list[BatchRecord], kind: Kind
+) -> None:
+    """``_take(limit)`` (the busy slots' share passes one): at most ``limit`` texts, but the texts
+    of the request the last one belongs to stay with it while they fit MAX_BATCH_SIZE."""
+
+    class AtMostTwo(kind):  # type: ignore[misc,valid-type]
+        def _take(self, limit: int = 0) -> list[Any]:
+            return super()._take(2)  # type: ignore[no-any-return]
+
+    batcher = await started(model, records, AtMostTwo)
+    first = await hold_model(batcher, model)
+    tasks = [submit(batcher, 1), submit(batcher, 2, 3, 4), submit(batcher, 5)]
+    await asyncio.sleep(0)
+    model.gate.set()
+    await done(first, *tasks)
+    assert model.calls[1:] == [[1, 2, 3, 4], [5]]
+    await batcher.close()
 
 
 @KINDS
@@ -487,6 +554,32 @@ async def test_a_wrong_number_of_vectors_is_an_error_not_a_mixup(batcher: Batche
 
 
 @KINDS
+async def test_a_failed_call_fails_only_the_callers_of_its_rows(
+    model: FakeModel, records: list[BatchRecord], kind: Kind
+) -> None:
+    """A batch run as several model calls (here one call a text, as a refinement may cut it):
+    each caller gets its own rows, and a call that raised fails only the callers of its rows."""
+
+    class OneCallAText(kind):  # type: ignore[misc,valid-type]
+        def _compute(self, batch: list[Any]) -> Computed:
+            done = Computed(len(batch))
+            for row in range(len(batch)):
+                self._run_rows([t.ids for t in batch], [row], done)
+            return done
+
+    batcher = await started(model, records, OneCallAText)
+    first = await hold_model(batcher, model)
+    model.poison = lambda ids: any(int(row[0]) == 666 for row in ids)
+    good, bad, more = submit(batcher, 1, 2), submit(batcher, 666), submit(batcher, 3)
+    await asyncio.sleep(0)
+    model.gate.set()
+    await asyncio.wait([first, good, bad, more], timeout=SHORT)
+    assert isinstance(bad.exception(), ValueError)
+    assert [markers(t.result()) for t in (good, more)] == [[1, 2], [3]]
+    await batcher.close()
+
+
+@KINDS
 async def test_an_observer_that_raises_does_not_stop_the_batcher(model: FakeModel, kind: Kind) -> None:
     def bad_observer(record: BatchRecord) -> None:
         raise RuntimeError("observer bug")
@@ -528,6 +621,37 @@ async def test_a_deadline_that_passes_in_the_queue_is_504_and_not_computed(
     model.gate.set()
     await done(first, ready)
     assert all(77 not in call for call in model.calls)
+
+
+@KINDS
+async def test_a_request_that_ends_cancels_its_deadline_timer(
+    model: FakeModel, records: list[BatchRecord], kind: Kind, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Answered or cancelled, a request leaves no deadline timer behind: one would hold the
+    request and its vectors until its deadline, long after the answer."""
+    loop = asyncio.get_running_loop()
+    timers: list[asyncio.TimerHandle] = []
+    call_later = loop.call_later
+
+    def watched(delay: float, callback: Any, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+        handle = call_later(delay, callback, *args, **kwargs)
+        if getattr(callback, "__name__", "") == "_expire":  # a deadline's timer
+            timers.append(handle)
+        return handle
+
+    monkeypatch.setattr(loop, "call_later", watched)
+    batcher = await started(model, records, kind)
+    answered = submit(batcher, 1, deadline=loop.time() + 60)
+    await done(answered)
+    first = await hold_model(batcher, model)
+    gone = submit(batcher, 2, deadline=loop.time() + 60)
+    await asyncio.sleep(0)
+    gone.cancel()  # the client went away while queued
+    await asyncio.wait([gone], timeout=SHORT)
+    model.gate.set()
+    await done(first)
+    assert len(timers) == 2 and all(timer.cancelled() for timer in timers)
+    await batcher.close()
 
 
 @KINDS

@@ -11,10 +11,12 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 import subprocess
 
 import pytest
 from conftest import REPO
+from markdown.extensions.toc import slugify
 
 EXERCISES = {  # stage -> what the untouched starting file fails with
     2: "NotImplementedError",
@@ -77,3 +79,18 @@ def test_a_starting_file_keeps_the_interface_of_the_stage(module: str, name: str
         if inspect.isfunction(value):
             want, got = inspect.signature(value), inspect.signature(getattr(yours, attr))
             assert got == want, f"exercises/{module}: {name}.{attr}{got}, the stage has {want}"
+
+
+def test_every_chapter_section_a_starting_file_points_to_exists() -> None:
+    """``docs/<page>.md#<section>`` in exercises/: the page exists and has that heading (the anchor
+    mkdocs makes of it), so a renamed section fails here, not in a learner's hands."""
+    pointers = {
+        (page, anchor)
+        for path in sorted((REPO / "exercises").rglob("*.py"))
+        for page, anchor in re.findall(r"(docs/[\w/]+\.md)(?:#([\w-]+))?", path.read_text())
+    }
+    assert any(anchor for _page, anchor in pointers)
+    for page, anchor in sorted(pointers):
+        text = re.sub(r"^```.*?^```", "", (REPO / page).read_text(), flags=re.MULTILINE | re.DOTALL)
+        headings = {slugify(h, "-") for h in re.findall(r"^#+ (.+)$", text, re.MULTILINE)}
+        assert not anchor or anchor in headings, f"exercises point to {page}#{anchor}: no such section"

@@ -7,6 +7,7 @@ needs the model busy, so orderings are decided by the test, not by timing.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -200,6 +201,40 @@ async def test_fifty_concurrent_requests_for_one_new_text_run_the_model_once(
     for result in results:
         assert np.array_equal(result.vectors, results[0].vectors)
     assert np.allclose(results[0].vectors, _expected(engine, text), atol=1e-5)
+    assert len(backend.flights) == 0  # resolved: the next miss of the text leads again
+
+
+async def test_a_resolved_key_is_no_longer_in_flight(make: Any) -> None:
+    """``resolve`` hands the value to the key's followers and ends its flight: the next miss leads."""
+    backend, _ = await make()
+    flights = backend.flights
+    assert flights.join("key") is None  # the first miss leads
+    follower = flights.join("key")
+    assert follower is not None
+    flights.resolve("key", "value")
+    assert await follower == "value"
+    assert len(flights) == 0 and flights.join("key") is None
+
+
+async def test_a_leader_that_stops_with_no_follower_leaves_no_unretrieved_error(
+    make: Any, engine: Engine
+) -> None:
+    """A leader refused (here `truncate: false` on a long text) fails the flights it led; with
+    nobody following them, their error is retrieved all the same, so asyncio never reports
+    "Future exception was never retrieved"."""
+    backend, _ = await make()
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        with pytest.raises(APIError) as err:
+            await backend.embed(_job(engine, [_new("a long text " * 200)], truncate=False))
+        assert err.value.status == 422
+        gc.collect()  # the failed flight is garbage now: an unretrieved error would be reported here
+        await asyncio.sleep(0)  # (asyncio reports it through a callback)
+    finally:
+        loop.set_exception_handler(None)
+    assert not reported, reported
 
 
 async def test_with_redis_the_leader_looks_up_once_for_everyone(
@@ -294,6 +329,27 @@ async def test_full_queue_answers_at_once_with_retry_after(make: Any, engine: En
     gated.gate.set()
     await asyncio.gather(*running, queued)
     assert sum(gated.calls) == len(running) + 3  # the refused text never reached the model
+
+
+async def test_a_request_is_refused_only_when_its_texts_would_overflow_the_queue(
+    make: Any, engine: Engine
+) -> None:
+    """Queued texts plus the request's own against MAX_QUEUE: with 3 of 4 queued, 2 more are
+    refused and 1 more goes."""
+    backend, gated = await make(max_queue=4)
+    gated.gate.clear()
+    running = await _occupy(backend, engine)
+    assert backend.batcher.queue_depth == 1  # the blocker handed over ahead
+    queued = [asyncio.ensure_future(backend.embed(_job(engine, [_new("q1"), _new("q2")])))]
+    await _until(lambda: backend.batcher.queue_depth == 3)
+    with pytest.raises(APIError) as err:
+        await backend.embed(_job(engine, [_new("one"), _new("two")]))
+    assert err.value.status == 503
+    queued.append(asyncio.ensure_future(backend.embed(_job(engine, [_new("fits")]))))
+    await _until(lambda: backend.batcher.queue_depth == 4)
+    gated.gate.set()
+    await asyncio.gather(*running, *queued)
+    assert backend.stats.rejected == 1
 
 
 async def test_request_larger_than_the_queue_goes_when_the_queue_is_empty(make: Any, engine: Engine) -> None:

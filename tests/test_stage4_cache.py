@@ -98,15 +98,36 @@ def test_lru_ttl_expires_entries() -> None:
     lru.put("a", b"1")
     now[0] += 4.9
     assert lru.get("a") == b"1"
-    now[0] += 0.2
+    now[0] = 1005.0  # exactly its TTL: expired
     assert lru.get("a") is None
     assert stats.expirations == 1 and len(lru) == 0 and lru.bytes == 0
 
 
 def test_lru_zero_items_disables_the_memory_tier() -> None:
-    lru = MemoryCache(max_items=0, max_bytes=10**6, ttl_s=5, stats=CacheStats())
+    stats = CacheStats()
+    lru = MemoryCache(max_items=0, max_bytes=10**6, ttl_s=5, stats=stats)
     lru.put("a", b"1")
     assert not lru.enabled and lru.get("a") is None
+    assert len(lru) == 0 and lru.bytes == 0 and stats.evictions == 0  # nothing stored, nothing evicted
+
+
+def test_lru_an_entry_larger_than_the_byte_bound_is_not_stored() -> None:
+    """It could never fit: storing it would evict everything else, then itself."""
+    stats = CacheStats()
+    lru = MemoryCache(max_items=10, max_bytes=2000, ttl_s=60, stats=stats)
+    lru.put("small", b"s" * 100)
+    lru.put("huge", b"h" * 5000)
+    assert lru.get("huge") is None and lru.get("small") == b"s" * 100
+    assert len(lru) == 1 and stats.evictions == 0
+
+
+def test_lru_a_key_put_again_is_replaced() -> None:
+    """One entry under the key, the new value, and the byte count of that one entry."""
+    lru = MemoryCache(max_items=10, max_bytes=10**6, ttl_s=60, stats=CacheStats())
+    lru.put("a", b"1" * 100)
+    lru.put("a", b"2" * 300)
+    assert lru.get("a") == b"2" * 300
+    assert len(lru) == 1 and lru.bytes == len("a") + 300 + ENTRY_OVERHEAD_BYTES
 
 
 # --- the Redis tier (real Redis) ---------------------------------------------------

@@ -124,8 +124,9 @@ def test_series_points_cover_the_window_and_a_pause_is_zero() -> None:
     assert under_way["t"] == busy_step["t"] + 5 and under_way["seconds"] == 3.0
 
 
-def test_state_is_exported_by_name() -> None:
-    """Every state metric is there before the model loads (zeros), with the backend's values after."""
+def test_the_earlier_stages_counts_are_exported_by_name() -> None:
+    """Every count of stages 3 and 4 is there before the model loads (zeros), with the backend's
+    values after."""
     metrics = Metrics()
     names = {s.name for f in metrics.own_families() for s in f.samples}
     for name in ("queue_depth_texts", "cache_hits_total", "rejected_requests_total", "dropped_texts_total"):
@@ -213,6 +214,21 @@ def test_request_lines_in_both_formats(log_stream: io.StringIO) -> None:
     configure_logging(Settings(log_level="WARNING"))  # LOG_LEVEL=WARNING: no request lines
     log_request(logging.INFO, "POST", "/v1/embed", 200, record, 1.0)  # returns before a record is made
     assert len(log_stream.getvalue().splitlines()) == 4
+
+
+def test_an_error_line_keeps_its_traceback_in_a_field_of_its_own(log_stream: io.StringIO) -> None:
+    """``msg`` stays the message and the traceback goes to ``exc`` (the standard QueueHandler would
+    fold it into the message, and a log search for the message would miss the line)."""
+    try:
+        raise ZeroDivisionError("division by zero")
+    except ZeroDivisionError:
+        logging.getLogger("embedserve.test").exception("the batch failed")
+    deadline = time.monotonic() + 30
+    while not log_stream.getvalue() and time.monotonic() < deadline:  # the listener's thread writes
+        time.sleep(0.005)
+    line = json.loads(log_stream.getvalue().splitlines()[0])
+    assert line["msg"] == "the batch failed" and line["level"] == "error"
+    assert line["exc"].startswith("Traceback") and line["exc"].endswith("ZeroDivisionError: division by zero")
 
 
 def test_metrics_reference_is_current() -> None:

@@ -1,9 +1,13 @@
 """Exercise for stage 2: take the model call off the event loop.
 
-Stage 1's backend (stage1_naive/app.py) calls the model inside ``async def embed``. While the
-model runs, the event loop runs nothing else: no other request is read, not even ``/health``.
-Write ``ThreadPoolBackend`` so the model runs in a pool of ``threads`` worker threads and the
-event loop stays free while it does.
+Stage 1's backend (stage1_naive/app.py) calls the model inside ``async def run_model``. While
+the model runs, the event loop runs nothing else: no other request is read, not even
+``/health``. Write ``ThreadPoolBackend`` so the model runs in a pool of ``threads`` worker
+threads and the event loop stays free while it does.
+
+Your class extends stage 1's ``NaiveBackend``, which gives the rest: ``embed`` (tokenize, call
+``run_model``, normalize, answer) and ``timed_run`` (the model call, timed). Write ``__init__``
+(the pool), ``run_model`` and ``close``.
 
 Check your work (stage 2's own tests, run against this file):
 
@@ -20,34 +24,22 @@ ONNX Runtime releases the GIL while it computes, so a thread is enough.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from common.api import EmbedJob, EmbedResult, create_app, tokenize
-from common.engine import Engine, l2_normalize
+from common.api import create_app
+from common.engine import Engine
 from common.settings import Settings
+from stage1_naive.app import NaiveBackend, timed_run  # noqa: F401 (given: the model call, timed)
 
 
-class ThreadPoolBackend:
+class ThreadPoolBackend(NaiveBackend):
     def __init__(self, engine: Engine, threads: int) -> None:
-        self.engine = engine
+        super().__init__(engine)
         # TODO: a pool of `threads` worker threads for the model calls.
 
-    async def embed(self, job: EmbedJob) -> EmbedResult:
-        tokens = await tokenize(self.engine, job)  # cheap: stays on the event loop
-        started = time.perf_counter()
-        vectors = await self.run_model([t.ids for t in tokens])
-        inference_ms = (time.perf_counter() - started) * 1e3
-        if job.normalize:
-            vectors = l2_normalize(vectors)
-        return EmbedResult(vectors, [t.n_tokens for t in tokens], [t.truncated for t in tokens], inference_ms)
-
-    async def run_model(self, ids: list[np.ndarray]) -> np.ndarray:
-        """``self.engine.run(ids)``, computed in a worker thread; the event loop waits without blocking.
-
-        Stage 1 simply called ``self.engine.run(ids)`` here.
-        """
+    async def run_model(self, ids: list[np.ndarray]) -> tuple[np.ndarray, float]:
+        """``timed_run(self.engine, ids)``, computed in a worker thread; the event loop waits
+        without blocking. Stage 1 calls it right here, on the event loop."""
         raise NotImplementedError("TODO: run the model in a worker thread and await the result")
 
     async def close(self) -> None:

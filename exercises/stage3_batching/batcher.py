@@ -4,8 +4,8 @@ Stage 2 makes one model call per request. Here many requests share one call: eac
 its texts in one queue with one future and awaits it; one background task waits for a first
 text, then up to BATCH_WINDOW_MS for company, takes the oldest texts that fit MAX_BATCH_SIZE and
 MAX_BATCH_TOKENS, runs them in an executor thread and hands each caller its own rows. If the
-model raises, every caller of that batch gets the error. Chapter: docs/stage3.md, "The textbook
-batcher" (the refinements after it are not part of this exercise).
+model raises, every caller of that batch gets the error. Chapter: docs/stage3.md#the-textbook-batcher
+(the refinements after it are not part of this exercise).
 
 Write the five methods below, in the order a request meets them (and the first test names
 them): ``submit``, ``_wait_for_batch``, ``_take``, ``_run_batch`` (the fan-out) and ``_run_rows``
@@ -27,7 +27,9 @@ The first test goes through the whole path once and names the first method still
 
 Hints:
 - Never block the event loop: no ``time.sleep``, no model call outside the executor.
-- ``asyncio.Event`` wakes the loop; ``loop.call_later(seconds, event.set)`` is a timer you can cancel.
+- ``asyncio.Event`` wakes the loop; ``async with asyncio.timeout(seconds):`` bounds a wait (it
+  raises ``TimeoutError`` when the time is up); ``loop.call_later(seconds, f, arg)`` calls ``f``
+  later and returns a handle you can cancel.
 - A caller's future is created with ``asyncio.get_running_loop().create_future()``; a cancelled
   caller's future is done, so ``_gone`` drops its texts before the model.
 - The queue is a ``deque`` in arrival order: take from the left (``popleft``), look at ``[0]``.
@@ -78,9 +80,8 @@ class Batcher(stage.Batcher):
            ``self.window_s(tier)`` seconds after the oldest queued text arrived
            (``self._queue[0].req.enqueued``, a ``time.perf_counter()``).
         3. While fewer than MAX_BATCH_SIZE texts are queued and ``close()`` has not begun: if the
-           window has ended, stop waiting; otherwise clear ``self._wakeup``, start a timer that
-           sets it when the window ends, wait for it (a full batch, the window's end or close),
-           and cancel the timer.
+           window has ended, stop waiting; otherwise clear ``self._wakeup`` and wait for it (a
+           full batch, or close), at most until the window ends (``asyncio.timeout``).
         4. Return the tier.
         """
         raise NotImplementedError("TODO: _wait_for_batch: a first text, then the window")

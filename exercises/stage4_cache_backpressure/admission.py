@@ -4,8 +4,8 @@ Stage 3's queue is unbounded: under overload every request is accepted and waits
 grows without limit and every client times out together. Here a request whose texts would push
 the queue past MAX_QUEUE is refused before it queues, at once, with 503 (or 429, by
 OVERLOAD_STATUS) and a ``Retry-After`` header that says when the queue should have drained.
-Chapter: docs/stage4.md, "The idea" (admission) and "The bounded queue, and why 503"; the lab
-notes' "Admission, exactly" (docs/lab/stage4.md).
+Chapter: docs/stage4.md#the-idea (admission) and docs/stage4.md#the-bounded-queue-and-why-503;
+the lab notes: docs/lab/stage4.md#admission-exactly.
 
 Your class extends the stage's ``Admission`` (``stage4_cache_backpressure/admission.py``), which
 gives everything else: ``depth`` (texts queued now), ``full``, ``overloaded`` (the refusal, with

@@ -3,8 +3,7 @@
 A cache in front of the batcher answers a repeated text without the model. This is its first
 tier, a dict in the server's memory: it must not grow without bound (MAX entries and MAX bytes,
 evicting the least recently used first) and must not serve an entry older than its TTL.
-Chapter: docs/stage4.md, "The idea" (the cache); the lab notes' "The memory tier"
-(docs/lab/stage4.md).
+Chapter: docs/stage4.md#the-idea (the cache); the lab notes: docs/lab/stage4.md#the-memory-tier.
 
 Your class extends the stage's ``MemoryCache`` (``stage4_cache_backpressure/cache.py``), which
 gives the rest: ``__init__`` (the bounds, ``self._data``, an ``OrderedDict`` of key ->

@@ -4,8 +4,8 @@ Fifty requests for the same new text arrive together: all fifty miss the cache. 
 the model computes the text fifty times. With single-flight, the first caller to miss a key
 *leads*: it computes the value and publishes it; the callers that miss the same key while that
 computation runs *follow*: they await the leader's future instead of queueing the text again.
-Chapter: docs/stage4.md, "The idea" (single-flight) and "The code"; the lab notes' "Single-flight,
-the edge cases" (docs/lab/stage4.md). (Go's
+Chapter: docs/stage4.md#the-idea (single-flight) and docs/stage4.md#the-code; the lab notes:
+docs/lab/stage4.md#single-flight-the-edge-cases. (Go's
 ``golang.org/x/sync/singleflight`` is the classic; this is its asyncio shape.)
 
 Your class extends the stage's ``SingleFlight`` (``stage4_cache_backpressure/singleflight.py``),
