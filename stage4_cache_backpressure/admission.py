@@ -19,9 +19,9 @@ RETRY_AFTER_MAX_S = 30
 
 # --8<-- [start:admission]
 class Admission:
-    def __init__(self, max_queue: int, status: int, depth: Callable[[], int]) -> None:
-        self.max_queue, self.status, self._depth = max_queue, status, depth
-        self.drain_rate = 0.0  # texts per second the model clears, a moving average
+    def __init__(self, max_queue: int, status: int, depth: Callable[[], int], slots: int = 1) -> None:
+        self.max_queue, self.status, self._depth, self.slots = max_queue, status, depth, slots
+        self.drain_rate = 0.0  # texts per second the model slots clear together, a moving average
 
     def depth(self) -> int:
         """Texts waiting for the model now."""
@@ -54,7 +54,8 @@ class Admission:
         """Fed every model call (stage 3's ``on_batch``): texts per second while the model works."""
         if record.inference_ms <= 0 or record.error is not None:
             return
-        rate = record.size / (record.inference_ms / 1e3)
+        # One batch's rate is one slot's; BATCH_CONCURRENCY slots drain the queue side by side.
+        rate = self.slots * record.size / (record.inference_ms / 1e3)
         self.drain_rate = rate if self.drain_rate == 0 else 0.8 * self.drain_rate + 0.2 * rate
 
 

@@ -68,8 +68,9 @@ class CacheBackend(BatchingBackend):
         self.flights: SingleFlight[CacheEntry] = SingleFlight()  # NEW: one computation per text
         # NEW: the bounded queue, measured on the batcher's own queue
         self.admission = Admission(
-            settings.max_queue, settings.overload_status, lambda: self.batcher.queue_depth
-        )
+            settings.max_queue, settings.overload_status, lambda: self.batcher.queue_depth,
+            slots=settings.batch_concurrency,
+        )  # fmt: skip
         self.draining = False
         self._drain_on_signal = drain_on_signal
 

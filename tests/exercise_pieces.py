@@ -61,6 +61,8 @@ def cache_backend() -> type[CacheBackend]:
                 s.cache_max_items, s.cache_max_bytes, s.cache_ttl_s, self.stats.cache
             )
             self.flights = SingleFlight()
-            self.admission = Admission(s.max_queue, s.overload_status, lambda: self.batcher.queue_depth)
+            self.admission = Admission(
+                s.max_queue, s.overload_status, lambda: self.batcher.queue_depth, slots=s.batch_concurrency
+            )
 
     return WithYourPieces

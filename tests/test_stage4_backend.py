@@ -331,6 +331,20 @@ async def test_full_queue_answers_at_once_with_retry_after(make: Any, engine: En
     assert sum(gated.calls) == len(running) + 3  # the refused text never reached the model
 
 
+def test_retry_after_counts_every_model_slot_draining_the_queue() -> None:
+    """Little's law: queued texts over the rate all BATCH_CONCURRENCY slots clear them together.
+    One batch of 8 texts in 100 ms is one slot's 80 texts/s; two slots clear 160 texts/s."""
+    from common.batch_stats import BatchRecord
+    from stage4_cache_backpressure.admission import Admission
+
+    batch = BatchRecord(8, 64, 64, "", [0.0] * 8, inference_ms=100.0, error=None)
+    one, two = Admission(64, 503, lambda: 0, slots=1), Admission(64, 503, lambda: 0, slots=2)
+    one.observe(batch)
+    two.observe(batch)
+    assert (one.drain_rate, two.drain_rate) == (80.0, 160.0)
+    assert (one.retry_after(320), two.retry_after(320)) == (4, 2)
+
+
 async def test_a_request_is_refused_only_when_its_texts_would_overflow_the_queue(
     make: Any, engine: Engine
 ) -> None:
