@@ -144,7 +144,7 @@ def create_app(
     app.state.ready = False
     app.state.draining = False  # stage 4's drain: /ready says 503, requests are still served
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
-    install_auth(app, settings)  # outermost: a request without a key is not even read
+    install_auth(app, settings)  # outside the contract: a request without a key is not even read
     install_error_handlers(app)
     _install_routes(app, settings)
     return app

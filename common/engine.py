@@ -50,9 +50,9 @@ def intra_threads_for(calls_at_once: int) -> int:
     """Intra-op threads per call when ``calls_at_once`` model calls run side by side.
 
     One call at a time: 0, ONNX Runtime's own default (a thread per physical core). Several:
-    the cores this process may use, shared out, at least one each. On 2 cores two calls of one
-    thread each do more texts per second than one call of two threads, at every batch size
-    measured (docs/stage2.md): a transformer this small does not split well across threads.
+    the cores this process may use, shared out, at least one each, so calls side by side do not
+    oversubscribe the cores. Which layout does more texts per second is stage 2's thread sweep
+    (docs/lab/stage2.md).
     """
     if calls_at_once <= 1:
         return 0
