@@ -87,9 +87,15 @@ fuzz: setup
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -p no:cacheprovider \
 		tests/test_fuzz_schema.py tests/test_properties_batcher.py tests/test_bad_input.py $(ARGS)
 
-# --- exercises: build the key piece of stages 2, 3 and 4 yourself (exercises/README.md) -------
+# --- exercises: build the key piece of stages 0 to 4 yourself (exercises/README.md) ----------
 # The stage's own tests, run against your file (or, with SOLUTION=1, against the stage itself).
-# Stage 2: the server tests, serving exercises/stage2_threadpool (STAGES).
+# Stage 0: the engine's tests, taking your Engine and l2_normalize (EXERCISE=1,
+# tests/exercise_pieces.py); the first names what is still to write.
+EXERCISE_TESTS_0 := tests/test_engine.py
+EXERCISE_STAGE_0 := stage0_script
+# Stages 1 and 2: the server tests, serving exercises/stageN_* (STAGES); the first names the TODO.
+EXERCISE_TESTS_1 := tests/test_event_loop.py tests/test_contract.py tests/test_equivalence.py
+EXERCISE_STAGE_1 := stage1_naive
 EXERCISE_TESTS_2 := tests/test_event_loop.py tests/test_contract.py tests/test_equivalence.py
 EXERCISE_STAGE_2 := stage2_threadpool
 # Stage 3: the batcher tests of the textbook Batcher, not those of the refinements (EXERCISE=1: the
@@ -106,7 +112,7 @@ EXERCISE_STAGE_4 := stage4_cache_backpressure
 
 ## exercise: run stage STAGE's own tests against exercises/ (SOLUTION=1: against the stage itself)
 exercise: setup
-	@test -n "$(EXERCISE_TESTS_$(STAGE))" || (echo "STAGE=$(STAGE): exercises exist for stages 2, 3 and 4" >&2; exit 2)
+	@test -n "$(EXERCISE_TESTS_$(STAGE))" || (echo "STAGE=$(STAGE): exercises exist for stages 0, 1, 2, 3 and 4" >&2; exit 2)
 	STAGES=$(if $(SOLUTION),,exercises.)$(EXERCISE_STAGE_$(STAGE)) $(if $(SOLUTION),,EXERCISE=1) \
 		$(PY) -m pytest -p no:cacheprovider -q $(if $(SOLUTION),,-x) $(EXERCISE_TESTS_$(STAGE)) \
 		$(if $(EXERCISE_ONLY_$(STAGE)),-k "$(EXERCISE_ONLY_$(STAGE))") $(ARGS)

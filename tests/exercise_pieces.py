@@ -1,10 +1,11 @@
-"""The classes stage 3's and stage 4's tests check: the stage's own, or with EXERCISE=1 the learner's.
+"""The pieces stage 0's, 3's and 4's tests check: the stage's own, or with EXERCISE=1 the learner's.
 
 ``make exercise STAGE=N`` sets EXERCISE=1 (exercises/README.md). The test modules take the
 pieces a learner writes from here instead of importing them from the stage, so the same tests
-check ``exercises/``. A learner's class extends the stage's own (stage 3's the stage's ``Batcher``,
-stage 4's the stage's classes) and writes only the methods left to write. Each function imports
-only what it returns, so a half-written stage 4 exercise never breaks the stage 3 check.
+check ``exercises/``. A learner's class extends the stage's own (stage 0's the engine's, stage 3's
+the stage's ``Batcher``, stage 4's the stage's classes) and writes only the methods left to write.
+Each function imports only what it returns, so a half-written exercise never breaks another's check.
+(Stages 1 and 2 need none of this: their tests serve ``exercises/stageN_*`` as a server.)
 """
 
 from __future__ import annotations
@@ -13,11 +14,29 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import numpy as np
+
+    from common.engine import Engine
     from stage3_batching.batcher import Batcher
     from stage4_cache_backpressure.app import CacheBackend
     from stage4_cache_backpressure.cache import MemoryCache
 
 EXERCISE = os.environ.get("EXERCISE") == "1"
+
+
+def stage0_engine() -> tuple[type[Engine], Callable[[np.ndarray], np.ndarray]]:
+    """``common.engine``'s ``Engine`` and ``l2_normalize``, or yours from
+    ``exercises/stage0_script/engine.py`` (your mean pooling in ``Engine.run``)."""
+    if EXERCISE:
+        from exercises.stage0_script.engine import Engine as YourEngine
+        from exercises.stage0_script.engine import l2_normalize as your_l2_normalize
+
+        return YourEngine, your_l2_normalize
+    from common.engine import Engine, l2_normalize
+
+    return Engine, l2_normalize
 
 
 def textbook_batcher() -> type[Batcher]:
