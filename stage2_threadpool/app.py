@@ -3,8 +3,8 @@
 The handler awaits the model call in a pool of WORKER_THREADS threads, so the event
 loop keeps accepting connections and answering ``/health`` while the model works.
 ONNX Runtime releases the GIL during the call, and ONNX_INTRA_THREADS decides how many
-cores one call uses: the two settings multiply, and on 2 cores oversubscribing them
-costs more than it buys (measured in docs/stage2.md).
+cores one call uses: the two settings multiply, and by default the calls share the cores
+out (stage 2's thread sweep, docs/lab/stage2.md, measures the layouts).
 
 Every request still makes its own model call. ``stage3_batching`` groups them.
 
