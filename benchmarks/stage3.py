@@ -277,8 +277,9 @@ def _defaults(result: dict[str, Any]) -> tuple[str, str]:
         )
     )
     one = [rps["0 / 0, one slot", n] / rps["0 / 0", n] for n in (8, 32)]
-    engine = f"the engine alone, without a server, was fastest with {result['engine']['best_calls_at_once']}"
-    engine += " call(s) side by side"
+    calls = result["engine"]["best_calls_at_once"]
+    agrees = "supports it" if calls == Settings().batch_concurrency else "does not"
+    engine = f"the engine alone, without a server, {agrees}: it was fastest with {calls} call(s) side by side"
     slots = (
         f"One model slot against two (the default), in requests/s: {one[0]:.2f}x at 8 connections,"
         f" {one[1]:.2f}x at 32: one slot gains "
