@@ -1,9 +1,9 @@
-"""The classes stage 3's and stage 4's tests check: the stage's own, or with EXERCISE=1 the learner's.
+"""The classes stages 3 to 5's tests check: the stage's own, or with EXERCISE=1 the learner's.
 
 ``make exercise STAGE=N`` sets EXERCISE=1 (exercises/README.md). The test modules take the
 pieces a learner writes from here instead of importing them from the stage, so the same tests
 check ``exercises/``. A learner's class extends the stage's own (stage 3's the stage's ``Batcher``,
-stage 4's the stage's classes) and writes only the methods left to write. Each function imports
+stage 4's and 5's the stage's classes) and writes only the methods left to write. Each function imports
 only what it returns, so a half-written stage 4 exercise never breaks the stage 3 check.
 """
 
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from stage3_batching.batcher import Batcher
     from stage4_cache_backpressure.app import CacheBackend
     from stage4_cache_backpressure.cache import MemoryCache
+    from stage5_metrics.app import MetricsBackend
 
 EXERCISE = os.environ.get("EXERCISE") == "1"
 
@@ -66,3 +67,19 @@ def cache_backend() -> type[CacheBackend]:
             )
 
     return WithYourPieces
+
+
+def metrics_backend() -> type[MetricsBackend]:
+    """``stage5_metrics.app.MetricsBackend``, or yours from ``exercises/stage5_metrics/app.py``."""
+    if EXERCISE:
+        from exercises.stage5_metrics.app import MetricsBackend as Yours
+
+        return Yours
+    from stage5_metrics.app import MetricsBackend
+
+    return MetricsBackend
+
+
+def stage5() -> str:
+    """The stage 5 app a server test starts: the stage's, or yours (``exercises.stage5_metrics``)."""
+    return "exercises.stage5_metrics" if EXERCISE else "stage5_metrics"

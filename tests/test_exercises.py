@@ -22,6 +22,7 @@ EXERCISES = {  # stage -> what the untouched starting file fails with
     2: "NotImplementedError",
     3: "NotImplementedError",
     4: "NotImplementedError",
+    5: "NotImplementedError",
 }
 # (module, class): each class a learner writes, in exercises/<module> and in the stage's <module>
 PIECES = [
@@ -30,6 +31,7 @@ PIECES = [
     ("stage4_cache_backpressure.cache", "MemoryCache"),
     ("stage4_cache_backpressure.singleflight", "SingleFlight"),
     ("stage4_cache_backpressure.admission", "Admission"),
+    ("stage5_metrics.app", "MetricsBackend"),
 ]
 
 
