@@ -194,9 +194,15 @@ def run_all(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
 
 
 # --- the page ------------------------------------------------------------------------------------
-def _against(values: dict[str, float], best: str, unit: str, digits: int) -> str:
-    """``best``'s value, then each other one as a multiple of it."""
-    others = "; ".join(f"{LABELS[n]} {v / values[best]:.2f}× that" for n, v in values.items() if n != best)
+def _ranked(values: dict[str, float], most: bool) -> list[str]:
+    """The setups from the best to the worst (the most, or the least)."""
+    return sorted(values, key=values.__getitem__, reverse=most)
+
+
+def _against(values: dict[str, float], most: bool, unit: str, digits: int) -> str:
+    """The best one's value, then each other one, best first, as a multiple of it."""
+    best, *rest = _ranked(values, most)
+    others = "; ".join(f"{LABELS[n]} {values[n] / values[best]:.2f}× that" for n in rest)
     return f"{LABELS[best]}, {num(values[best], digits)} {unit}; {others}."
 
 
@@ -205,8 +211,8 @@ def verdict(s: dict[str, Any]) -> list[str]:
     cap = {n: r["capacity"]["requests_per_s"] for n, r in s.items()}
     p50 = {n: r["one"]["p50_ms"] for n, r in s.items()}
     lines = [
-        f"- **Capacity** (32 connections), the most: {_against(cap, max(cap, key=cap.get), 'req/s', 0)}",
-        f"- **Latency** (one connection), the lowest p50: {_against(p50, min(p50, key=p50.get), 'ms', 1)}",
+        f"- **Capacity** (32 connections), the most: {_against(cap, True, 'req/s', 0)}",
+        f"- **Latency** (one connection), the lowest p50: {_against(p50, False, 'ms', 1)}",
     ]
     alone = s["stage5"]["capacity"]["cpu_ms"]["total"] if "stage5" in s else None
     for n in ("workers", "whole", "composed"):
@@ -216,12 +222,13 @@ def verdict(s: dict[str, Any]) -> list[str]:
             total = f"{num(ms['total'], 1)} ms, {ms['total'] / alone:.2f}× plain stage 5's {num(alone, 1)} ms"
             lines.append(f"- **CPU a request**, {LABELS[n]}: {total}{proxy}.")
     mem = {n: r["capacity"]["rss_mb"]["all"] for n, r in s.items()}
-    lines.append(f"- **Memory**, all processes, the least: {_against(mem, min(mem, key=mem.get), 'MB', 0)}")
+    lines.append(f"- **Memory**, all processes, the least: {_against(mem, False, 'MB', 0)}")
     kept = {n: r["flood"]["of_capacity"] or 0.0 for n, r in s.items()}
-    best = max(kept, key=kept.get)
-    others = "; ".join(f"{LABELS[n]} {v:.0%}" for n, v in kept.items() if n != best)
-    flood = f"- **Flood** ({FLOOD_CLIENTS} connections, MAX_QUEUE={MAX_QUEUE}), the largest share of"
-    lines.append(f"{flood} its capacity kept in 200s: {LABELS[best]}, {kept[best]:.0%}; {others}.")
+    best, *rest = _ranked(kept, True)
+    others = "; ".join(f"{LABELS[n]} {kept[n]:.0%}" for n in rest)
+    flood = f"- **Flood** ({FLOOD_CLIENTS} connections, MAX_QUEUE={MAX_QUEUE}): answered with 200,"
+    share = f"the largest share of its own capacity: {LABELS[best]}, {kept[best]:.0%}"
+    lines.append(f"{flood} {share}; then {others}.")
     if "whole" in cap and "composed" in cap:
         ratio = cap["composed"] / cap["whole"]
         lines.append(
