@@ -223,12 +223,18 @@ def verdict(s: dict[str, Any]) -> list[str]:
             lines.append(f"- **CPU a request**, {LABELS[n]}: {total}{proxy}.")
     mem = {n: r["capacity"]["rss_mb"]["all"] for n, r in s.items()}
     lines.append(f"- **Memory**, all processes, the least: {_against(mem, False, 'MB', 0)}")
+    ok = {n: r["flood"]["requests_per_s"] for n, r in s.items()}
+    flood = f"- **Flood** ({FLOOD_CLIENTS} connections, MAX_QUEUE={MAX_QUEUE}), the most answered with 200"
+    lines.append(f"{flood}: {_against(ok, True, 'a second', 0)}")
     kept = {n: r["flood"]["of_capacity"] or 0.0 for n, r in s.items()}
-    best, *rest = _ranked(kept, True)
-    others = "; ".join(f"{LABELS[n]} {kept[n]:.0%}" for n in rest)
-    flood = f"- **Flood** ({FLOOD_CLIENTS} connections, MAX_QUEUE={MAX_QUEUE}): answered with 200,"
-    share = f"the largest share of its own capacity: {LABELS[best]}, {kept[best]:.0%}"
-    lines.append(f"{flood} {share}; then {others}.")
+    shares = ", ".join(f"{LABELS[n]} {kept[n]:.0%}" for n in _ranked(kept, True))
+    errors = {n: r["flood"]["socket_errors"] for n, r in s.items()}
+    lost = ", ".join(f"{LABELS[n]} {e}" for n, e in errors.items() if e)
+    lines.append(
+        f"- **Flood against capacity**, 200s a second as a share of its own at {CAPACITY_CLIENTS}"
+        f" connections: {shares}"
+        + (f"; no answer within wrk's 2 s (socket errors): {lost}." if lost else ".")
+    )
     if "whole" in cap and "composed" in cap:
         ratio = cap["composed"] / cap["whole"]
         lines.append(
