@@ -203,7 +203,7 @@ def _against(values: dict[str, float], most: bool, unit: str, digits: int) -> st
     """The best one's value, then each other one, best first, as a multiple of it."""
     best, *rest = _ranked(values, most)
     others = "; ".join(f"{LABELS[n]} {values[n] / values[best]:.2f}× that" for n in rest)
-    return f"{LABELS[best]}, {num(values[best], digits)} {unit}; {others}."
+    return f"{LABELS[best]}, {num(values[best], digits)} {unit}" + (f"; {others}." if others else ".")
 
 
 def verdict(s: dict[str, Any]) -> list[str]:
