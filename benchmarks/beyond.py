@@ -280,8 +280,8 @@ def markdown(result: dict[str, Any]) -> str:
         f" Ray's proxy queue {RAY_ARGS['max_queued_requests']}. CPU by role: proxy (Ray's); front, the"
         " process that answers HTTP (stage 5, a worker, a replica of (a), an ingress of (b)), which runs"
         " the model too except in (b); model, a model replica of (b); rest, Ray's other processes or the"
-        " workers' supervisor. RSS counts shared pages in every process. Ray's nodes, wrk and Redis share"
-        " the cores."
+        " parent process that watches the workers. RSS counts shared pages in every process. Ray's nodes,"
+        " wrk and Redis share the cores."
     )
     return page(result["stamp"], sections, note) + "\n"
 
