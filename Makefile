@@ -87,7 +87,7 @@ fuzz: setup
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -p no:cacheprovider \
 		tests/test_fuzz_schema.py tests/test_properties_batcher.py tests/test_bad_input.py $(ARGS)
 
-# --- exercises: build the key piece of stages 0 to 4 yourself (exercises/README.md) ----------
+# --- exercises: build the key piece of every stage yourself (exercises/README.md) -------------
 # The stage's own tests, run against your file (or, with SOLUTION=1, against the stage itself).
 # Stage 0: the engine's tests, taking your Engine and l2_normalize (EXERCISE=1,
 # tests/exercise_pieces.py); the first names what is still to write.
@@ -111,10 +111,15 @@ EXERCISE_STAGE_3 := stage3_batching
 EXERCISE_TESTS_4 := tests/test_stage4_cache.py tests/test_stage4_backend.py
 EXERCISE_ONLY_4 := lru or (test_stage4_backend and not drain)
 EXERCISE_STAGE_4 := stage4_cache_backpressure
+# Stage 5: your backend's counting, in-process first (the on_batch hook, then a request), then a server
+# of your file (STAGES, EXERCISE=1: tests/exercise_pieces.py) scraped after known traffic.
+EXERCISE_TESTS_5 := tests/test_stage5_units.py tests/test_stage5_metrics.py
+EXERCISE_ONLY_5 := the_backend_counts or scrape_counts or deadline_rejection or cache_saving or request_log_lines
+EXERCISE_STAGE_5 := stage5_metrics
 
 ## exercise: run stage STAGE's own tests against exercises/ (SOLUTION=1: against the stage itself)
 exercise: setup
-	@test -n "$(EXERCISE_TESTS_$(STAGE))" || (echo "STAGE=$(STAGE): exercises exist for stages 0, 1, 2, 3 and 4" >&2; exit 2)
+	@test -n "$(EXERCISE_TESTS_$(STAGE))" || (echo "STAGE=$(STAGE): exercises exist for stages 0 to 5" >&2; exit 2)
 	STAGES=$(if $(SOLUTION),,exercises.)$(EXERCISE_STAGE_$(STAGE)) $(if $(SOLUTION),,EXERCISE=1) \
 		$(PY) -m pytest -p no:cacheprovider -q $(if $(SOLUTION),,-x) $(EXERCISE_TESTS_$(STAGE)) \
 		$(if $(EXERCISE_ONLY_$(STAGE)),-k "$(EXERCISE_ONLY_$(STAGE))") $(ARGS)

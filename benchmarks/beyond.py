@@ -194,10 +194,16 @@ def run_all(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
 
 
 # --- the page ------------------------------------------------------------------------------------
-def _against(values: dict[str, float], best: str, unit: str, digits: int) -> str:
-    """``best``'s value, then each other one as a multiple of it."""
-    others = "; ".join(f"{LABELS[n]} {v / values[best]:.2f}× that" for n, v in values.items() if n != best)
-    return f"{LABELS[best]}, {num(values[best], digits)} {unit}; {others}."
+def _ranked(values: dict[str, float], most: bool) -> list[str]:
+    """The setups from the best to the worst (the most, or the least)."""
+    return sorted(values, key=values.__getitem__, reverse=most)
+
+
+def _against(values: dict[str, float], most: bool, unit: str, digits: int) -> str:
+    """The best one's value, then each other one, best first, as a multiple of it."""
+    best, *rest = _ranked(values, most)
+    others = "; ".join(f"{LABELS[n]} {values[n] / values[best]:.2f}× that" for n in rest)
+    return f"{LABELS[best]}, {num(values[best], digits)} {unit}" + (f"; {others}." if others else ".")
 
 
 def verdict(s: dict[str, Any]) -> list[str]:
@@ -205,8 +211,8 @@ def verdict(s: dict[str, Any]) -> list[str]:
     cap = {n: r["capacity"]["requests_per_s"] for n, r in s.items()}
     p50 = {n: r["one"]["p50_ms"] for n, r in s.items()}
     lines = [
-        f"- **Capacity** (32 connections), the most: {_against(cap, max(cap, key=cap.get), 'req/s', 0)}",
-        f"- **Latency** (one connection), the lowest p50: {_against(p50, min(p50, key=p50.get), 'ms', 1)}",
+        f"- **Capacity** (32 connections), the most: {_against(cap, True, 'req/s', 0)}",
+        f"- **Latency** (one connection), the lowest p50: {_against(p50, False, 'ms', 1)}",
     ]
     alone = s["stage5"]["capacity"]["cpu_ms"]["total"] if "stage5" in s else None
     for n in ("workers", "whole", "composed"):
@@ -216,12 +222,19 @@ def verdict(s: dict[str, Any]) -> list[str]:
             total = f"{num(ms['total'], 1)} ms, {ms['total'] / alone:.2f}× plain stage 5's {num(alone, 1)} ms"
             lines.append(f"- **CPU a request**, {LABELS[n]}: {total}{proxy}.")
     mem = {n: r["capacity"]["rss_mb"]["all"] for n, r in s.items()}
-    lines.append(f"- **Memory**, all processes, the least: {_against(mem, min(mem, key=mem.get), 'MB', 0)}")
+    lines.append(f"- **Memory**, all processes, the least: {_against(mem, False, 'MB', 0)}")
+    ok = {n: r["flood"]["requests_per_s"] for n, r in s.items()}
+    flood = f"- **Flood** ({FLOOD_CLIENTS} connections, MAX_QUEUE={MAX_QUEUE}), the most answered with 200"
+    lines.append(f"{flood}: {_against(ok, True, 'a second', 0)}")
     kept = {n: r["flood"]["of_capacity"] or 0.0 for n, r in s.items()}
-    best = max(kept, key=kept.get)
-    others = "; ".join(f"{LABELS[n]} {v:.0%}" for n, v in kept.items() if n != best)
-    flood = f"- **Flood** ({FLOOD_CLIENTS} connections, MAX_QUEUE={MAX_QUEUE}), the largest share of"
-    lines.append(f"{flood} its capacity kept in 200s: {LABELS[best]}, {kept[best]:.0%}; {others}.")
+    shares = ", ".join(f"{LABELS[n]} {kept[n]:.0%}" for n in _ranked(kept, True))
+    errors = {n: r["flood"]["socket_errors"] for n, r in s.items()}
+    lost = ", ".join(f"{LABELS[n]} {e}" for n, e in errors.items() if e)
+    lines.append(
+        f"- **Flood against capacity**, 200s a second as a share of its own at {CAPACITY_CLIENTS}"
+        f" connections: {shares}"
+        + (f"; no answer within wrk's 2 s (socket errors): {lost}." if lost else ".")
+    )
     if "whole" in cap and "composed" in cap:
         ratio = cap["composed"] / cap["whole"]
         lines.append(
@@ -267,8 +280,8 @@ def markdown(result: dict[str, Any]) -> str:
         f" Ray's proxy queue {RAY_ARGS['max_queued_requests']}. CPU by role: proxy (Ray's); front, the"
         " process that answers HTTP (stage 5, a worker, a replica of (a), an ingress of (b)), which runs"
         " the model too except in (b); model, a model replica of (b); rest, Ray's other processes or the"
-        " workers' supervisor. RSS counts shared pages in every process. Ray's nodes, wrk and Redis share"
-        " the cores."
+        " parent process that watches the workers. RSS counts shared pages in every process. Ray's nodes,"
+        " wrk and Redis share the cores."
     )
     return page(result["stamp"], sections, note) + "\n"
 

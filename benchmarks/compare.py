@@ -296,7 +296,7 @@ def against_markdown(result: dict[str, Any]) -> str:
 
 
 def against(args: argparse.Namespace, run: evidence.Run) -> dict[str, Any]:
-    """``args.against``'s stages and this checkout's, in turns: before_after.json and .md."""
+    """``args.against``'s stages and this checkout's, in turns: ``args.name``.json and .md."""
     with worktree(args.against) as tree, ExitStack() as stack:
         stages = [s for s in args.stages if (tree / s / "app.py").is_file()]
         servers = start(stack, stages, tree, "before") + start(stack, stages, evidence.REPO, "after")
@@ -308,7 +308,7 @@ def against(args: argparse.Namespace, run: evidence.Run) -> dict[str, Any]:
               "parameters": {"before": before, "duration_s": args.duration, "rounds": args.rounds,
                              "stages": stages, "profiles": names},
               "summary": against_rows(points, stages, names)}  # fmt: skip
-    evidence.publish(run, "before_after", result, against_markdown, args.out)
+    evidence.publish(run, args.name, result, against_markdown, args.out)
     return result
 
 
@@ -317,6 +317,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--against", metavar="COMMIT", help="that commit's stages and these, in turns")
+    parser.add_argument(
+        "--name", default="before_after", help="--against's results file (default: %(default)s)"
+    )
     parser.add_argument("--stages", help="comma-separated, 1 to 5 (default: all)")
     parser.add_argument("--profiles", help=f"comma-separated, of {', '.join(p.name for p in PROFILES)}")
     parser.add_argument("--rounds", type=int, help="rounds of turns (3, --against 2; quick 1)")

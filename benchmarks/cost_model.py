@@ -130,7 +130,7 @@ def markdown(result: dict[str, Any]) -> str:
     c, cores, call = result["constants"], result["cores"], result["constants"]["call_overhead"]
     null, pred, got = result["measured"][SERVERS[0]], result["prediction"], result["measured"]
     rows = [
-        ("model, 1 text, 1 thread", num(c["model_ms"], 2), "CPU ms per call (stages 2, 3)"),
+        ("model, 1 text, as a worker calls it", num(c["model_ms"], 2), "CPU ms per call (stages 2, 3)"),
         ("model, 1 text, every thread", num(c["model_ms_all_threads"], 2), "wall ms per call (stages 0, 1)"),
         ("overhead of one more call", num(call["fixed_ms"], 2), f"CPU ms ({BATCH_K} calls vs 1 call)"),
         (f"a text in a padded call of {BATCH_K}", num(c["per_text_in_batch_ms"], 2), "CPU ms per text"),

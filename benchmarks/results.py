@@ -77,10 +77,16 @@ STEPS: tuple[Step, ...] = (
     # the engine alone (2 kinds x 2 layouts x 7 batch sizes x 1 s, and the large batches' overrun)
     Step("compare", "every stage in turns under the same loads, each against the one before",
          "benchmarks.compare", ("compare.json",), 5.5, 1.3),
-    # 5 stages x 2 profiles x 2 commits x 2 rounds x (2 s + about 0.8 s), and 10 start-ups
-    Step("before-after", "stages 1 to 5 at the start of this simplification, and now, in turns",
-         "benchmarks.compare", ("before_after.json",), 2.4, 1,
-         args=("--against", "5b1685e", "--profiles", "unique-32,unique-128"), render="against_markdown"),
+    # 5 stages x 2 profiles x 2 commits x 3 rounds x (2 s + about 0.8 s), and 10 start-ups
+    Step("before-after", "stages 1 to 5 of a fixed reference commit and of this checkout, in turns",
+         "benchmarks.compare", ("before_after.json",), 3.3, 1,
+         args=("--against", "5b1685e", "--profiles", "unique-32,unique-128", "--rounds", "3"),
+         render="against_markdown"),
+    # 2 stages x 2 profiles x 2 commits x 3 rounds x (2 s + about 0.8 s), and 4 start-ups
+    Step("idiom", "stages 4 and 5 with FastAPI's @app.middleware (commit d5f0201) and as shipped, in turns",
+         "benchmarks.compare", ("idiom.json",), 1.5, 0.7,
+         args=("--against", "d5f0201", "--stages", "4,5", "--profiles", "unique-32,repeated-32", "--rounds",
+               "3", "--name", "idiom"), render="against_markdown"),
     # the constants (30 s), 4 servers starting at once (15 s), 2 rounds x 8 points x (3 s + about 0.7 s)
     Step("cost-model", "the cost model: its constants, its prediction beside stages 1-3 in the same run",
          "benchmarks.cost_model", ("cost_model.json",), 2, 0.7),

@@ -72,6 +72,8 @@ NAMES = dict(zip(REFINEMENTS, ("load tiers", "length grouping", "length buckets"
                                "busy slots"), strict=True))  # fmt: skip
 PRICES = (4, 8, 16, 32, 64)  # CALL_OVERHEAD_TOKENS tried
 BAD_ID = 10**9  # a token id no tokenizer makes: the stand-in model raises on it
+LONE_WINDOW_MS = 5.0  # the window the "lone wait" column runs under
+PAYS = 1.10  # a setting other than the default pays when it gains 10% or more (the house rule)
 
 
 def bodies_for(kind: str, n: int, seed: int) -> list[bytes]:
@@ -174,8 +176,8 @@ async def burst(kind: Callable[[Model, Settings], Batcher], model: Model, tokens
 
 
 async def lone_wait_ms(kind: Callable[[Model, Settings], Batcher], tokens: list[TokenizedText]) -> float:
-    """Mean queue wait of 20 requests sent one after another, under a 5 ms window."""
-    batcher = kind(_stand_in, Settings(batch_window_ms=5.0))
+    """Mean queue wait of 20 requests sent one after another, under a LONE_WINDOW_MS window."""
+    batcher = kind(_stand_in, Settings(batch_window_ms=LONE_WINDOW_MS))
     await batcher.start()
     waits = [(await batcher.submit([t])).queue_ms for t in tokens[:20]]
     await batcher.close()
@@ -249,6 +251,47 @@ def _windows(result: dict[str, Any]) -> list[str]:
     return table(head, rows, align="rlrrrrrr")
 
 
+def _defaults(result: dict[str, Any]) -> tuple[str, str]:
+    """Whether this run supports the default windows (none) and model slots (two): a sentence each.
+    A window no batch of its run waited under ran the default's code: "the same code", not a ratio."""
+    rps = {(p["server"], p["connections"]): p["requests_per_s"] for p in result["servers"]}
+    windowed = {"0 / 2": ("high",), "2 / 2": ("medium", "high"), "50 / 50": ("medium", "high")}
+    ratios = {}
+    for w, tiers in windowed.items():
+        waited = {n: any(_point(result, w, n)["tiers"][t] for t in tiers) for n in (8, 32, 128)}
+        ratios[w] = {n: rps[w, n] / rps["0 / 0", n] if waited[n] else None for n in waited}
+    best, worst = ({w: f(g or 1 for g in r.values()) for w, r in ratios.items()} for f in (max, min))
+    better = [w for w in ratios if best[w] >= PAYS and worst[w] > 1 / PAYS]  # gains somewhere, loses nowhere
+    tried = "; ".join(
+        f"{w}: " + ", ".join("the same code" if g is None else f"{g:.2f}x" for g in r.values())
+        for w, r in ratios.items()
+    )
+    windows = (
+        f"Each window against none (the default), in requests/s at 8, 32 and 128 connections: {tried}. "
+        + (
+            f"{', '.join(better)} gains 10% or more and loses less than 10% at every load: the measurement"
+            " does not support the default."
+            if better
+            else "No window gains 10% or more at one load without losing 10% or more at another: as one"
+            " setting for every load, the measurement supports the default."
+        )
+    )
+    one = [rps["0 / 0, one slot", n] / rps["0 / 0", n] for n in (8, 32)]
+    calls = result["engine"]["best_calls_at_once"]
+    agrees = "supports it" if calls == Settings().batch_concurrency else "does not"
+    engine = f"the engine alone, without a server, {agrees}: it was fastest with {calls} call(s) side by side"
+    slots = (
+        f"One model slot against two (the default), in requests/s: {one[0]:.2f}x at 8 connections,"
+        f" {one[1]:.2f}x at 32: one slot gains "
+        + (
+            f"10% or more, so this run's servers do not support the default; {engine}."
+            if max(one) >= PAYS
+            else f"less than 10%: the measurement supports the default; {engine}."
+        )
+    )
+    return windows, slots
+
+
 def markdown(result: dict[str, Any]) -> str:
     e, call, ref = result["engine"], result["call_overhead"], result["refinements"]
     targets = [(stage, n, num(p["requests_per_s"], 0), num(p["p50_ms"], 1), num(p["p99_ms"], 1),
@@ -262,6 +305,7 @@ def markdown(result: dict[str, Any]) -> str:
     at_default = next(p["cpu_ms"] for p in ref["prices"] if p["price"] == default)
     cheapest = min(ref["prices"], key=lambda p: p["cpu_ms"])
     nearest = min(ref["prices"], key=lambda p: abs(p["price"] - call["tokens"]))
+    windows, slots = _defaults(result)
     sections = {
         "engine": [f"The engine alone on the same sentences: **{e['texts_per_s']:.0f} texts/s**, at batch"
                    f" {e['best_batch']} with {e['best_calls_at_once']} call(s) side by side. Stage 3 at 32"
@@ -284,11 +328,15 @@ def markdown(result: dict[str, Any]) -> str:
                   f" {call['k']} calls against one). In the burst, the buckets priced at {nearest['price']},"
                   f" the figure tried nearest that, cost {nearest['cpu_ms'] / at_default:.2f}x the CPU a text"
                   f" of the default (CALL_OVERHEAD_TOKENS={default}); the least, priced at"
-                  f" {cheapest['price']}: {cheapest['cpu_ms'] / at_default:.2f}x."],
+                  f" {cheapest['price']}: {cheapest['cpu_ms'] / at_default:.2f}x. "
+                  + ("The default costs 10% or more CPU a text than that." if at_default >= PAYS
+                     * cheapest["cpu_ms"] else "No price tried saves 10% or more on the default.")],
+        "windows_verdict": [windows], "slots": [slots],
     }  # fmt: skip
     note = (
         f"{result['seconds']:g} s per server point, {result['rounds']} round(s) in turns, the median"
-        f" shown. The batcher alone: {ref['texts']} mixed texts, {ref['rounds']} round(s) in turns."
+        f" shown. The batcher alone: {ref['texts']} mixed texts, {ref['rounds']} round(s) in turns; its lone"
+        f" wait: 20 requests one after another under a {LONE_WINDOW_MS:g} ms window."
     )
     return page(result["stamp"], sections, note)
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fastapi import FastAPI, Request, Response
-from starlette.middleware.base import RequestResponseEndpoint
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.limits import error_response
 
@@ -27,21 +27,30 @@ EMBED_PATHS = frozenset({"/v1/embed", "/v1/embeddings"})
 
 
 # --8<-- [start:shed]
+class ShedWhenFull:
+    """A pure ASGI middleware (the stage 5 chapter measures FastAPI's idiom beside it)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in EMBED_PATHS and scope["method"] == "POST":
+            # The backend is on the app's state once the model has loaded (``common.api``'s lifespan).
+            backend = getattr(scope["app"].state, "backend", None)
+            if backend is not None and backend.admission.full():
+                started = time.perf_counter()
+                backend.stats.rejected += 1
+                if backend.settings.shed_delay_ms > 0:  # NEW: a client that sends again at once waits
+                    await asyncio.sleep(backend.settings.shed_delay_ms / 1e3)
+                refusal = backend.admission.overloaded(backend.admission.depth(), 1)
+                refusal.headers["x-total-time"] = f"{(time.perf_counter() - started) * 1e3:.2f}"
+                await error_response(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def add_shedding(app: FastAPI) -> None:
-    @app.middleware("http")
-    async def shed_when_full(request: Request, call_next: RequestResponseEndpoint) -> Response:
-        # The backend is on the app's state once the model has loaded (``common.api``'s lifespan).
-        backend = getattr(request.app.state, "backend", None)
-        embedding = request.method == "POST" and request.url.path in EMBED_PATHS
-        if not embedding or backend is None or not backend.admission.full():
-            return await call_next(request)
-        started = time.perf_counter()
-        backend.stats.rejected += 1
-        if backend.settings.shed_delay_ms > 0:  # NEW: a client that sends again at once waits
-            await asyncio.sleep(backend.settings.shed_delay_ms / 1e3)
-        refusal = backend.admission.overloaded(backend.admission.depth(), 1)
-        refusal.headers["x-total-time"] = f"{(time.perf_counter() - started) * 1e3:.2f}"
-        return error_response(refusal)
+    app.add_middleware(ShedWhenFull)
 
 
 # --8<-- [end:shed]

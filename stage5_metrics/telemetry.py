@@ -6,8 +6,11 @@ route and status and writes its log line. On the way, the backend fills the requ
 ``RequestRecord`` (``logs.current_record``) from its typed result: texts, tokens, cache hits,
 queue and model time.
 
-It is FastAPI's own ``@app.middleware("http")``. Stage 4's client-disconnect watch, deadlines and
-drain work through it unchanged (``tests/test_stage5_metrics.py`` hangs up on a queued request).
+It is a pure ASGI middleware: it wraps ``send`` to read the status and add the header. FastAPI's
+idiom, ``@app.middleware("http")`` (Starlette's ``BaseHTTPMiddleware``), runs the rest of the app
+in a task of its own and streams the answer through a memory stream: measured against this one in
+turns, it cost about a millisecond of CPU a request, which is most of a cache hit's cost
+(``docs/results/idiom.md``; the stage 5 chapter shows both).
 """
 
 from __future__ import annotations
@@ -17,9 +20,8 @@ import re
 import time
 import uuid
 
-from fastapi import FastAPI, Request, Response
-from starlette.middleware.base import RequestResponseEndpoint
-from starlette.types import Scope
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stage5_metrics.logs import RequestRecord, current_record, log_request
 from stage5_metrics.metrics import EMBED_ROUTES, STATIC_ROUTE, Metrics
@@ -58,28 +60,45 @@ def finish(metrics: Metrics, scope: Scope, record: RequestRecord, status: int, s
 
 
 # --8<-- [start:middleware]
-def add_telemetry(app: FastAPI, metrics: Metrics) -> None:
+class Telemetry:
     """The middleware, outermost when added last, so it sees every answer."""
 
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
     # --8<-- [start:call]
-    @app.middleware("http")
-    async def telemetry(request: Request, call_next: RequestResponseEndpoint) -> Response:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
         started = time.perf_counter()
-        record = RequestRecord(_request_id(request.headers.get("x-request-id")))
+        given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
+        record = RequestRecord(_request_id(given))
         current_record.set(record)  # for the backend to fill in (each request runs in a task of its own)
+        header = (b"x-request-id", record.request_id.encode())
         status = _CLIENT_GONE
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", ()), header]
+            await send(message)
+
         try:
-            response = await call_next(request)
-            status = response.status_code
+            await self.app(scope, receive, send_with_id)
         except Exception:
-            status = 500  # Starlette's outermost handler answers it after us
+            if status == _CLIENT_GONE:
+                status = 500  # Starlette's outermost handler answers it after us
             raise
         finally:  # also when cancelled: the server gave up on the request, logged as 499
-            finish(metrics, request.scope, record, status, time.perf_counter() - started)
-        response.headers["x-request-id"] = record.request_id
-        return response
+            finish(self.metrics, scope, record, status, time.perf_counter() - started)
 
     # --8<-- [end:call]
+
+
+def add_telemetry(app: FastAPI, metrics: Metrics) -> None:
+    app.add_middleware(Telemetry, metrics=metrics)
 
 
 # --8<-- [end:middleware]

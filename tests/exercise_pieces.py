@@ -1,11 +1,11 @@
-"""The pieces stage 0's, 3's and 4's tests check: the stage's own, or with EXERCISE=1 the learner's.
+"""The pieces the tests of stages 0, 3, 4 and 5 check: the stage's own, or with EXERCISE=1 the learner's.
 
 ``make exercise STAGE=N`` sets EXERCISE=1 (exercises/README.md). The test modules take the
 pieces a learner writes from here instead of importing them from the stage, so the same tests
 check ``exercises/``. A learner's class extends the stage's own (stage 0's the engine's, stage 3's
-the stage's ``Batcher``, stage 4's the stage's classes) and writes only the methods left to write.
-Each function imports only what it returns, so a half-written exercise never breaks another's check.
-(Stages 1 and 2 need none of this: their tests serve ``exercises/stageN_*`` as a server.)
+the stage's ``Batcher``, stage 4's and 5's the stage's classes) and writes only the methods left
+to write. Each function imports only what it returns, so a half-written exercise never breaks
+another's check. (Stages 1 and 2 need none of this: their tests serve ``exercises/stageN_*``.)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from stage3_batching.batcher import Batcher
     from stage4_cache_backpressure.app import CacheBackend
     from stage4_cache_backpressure.cache import MemoryCache
+    from stage5_metrics.app import MetricsBackend
 
 EXERCISE = os.environ.get("EXERCISE") == "1"
 
@@ -85,3 +86,19 @@ def cache_backend() -> type[CacheBackend]:
             )
 
     return WithYourPieces
+
+
+def metrics_backend() -> type[MetricsBackend]:
+    """``stage5_metrics.app.MetricsBackend``, or yours from ``exercises/stage5_metrics/app.py``."""
+    if EXERCISE:
+        from exercises.stage5_metrics.app import MetricsBackend as Yours
+
+        return Yours
+    from stage5_metrics.app import MetricsBackend
+
+    return MetricsBackend
+
+
+def stage5() -> str:
+    """The stage 5 app a server test starts: the stage's, or yours (``exercises.stage5_metrics``)."""
+    return "exercises.stage5_metrics" if EXERCISE else "stage5_metrics"

@@ -24,6 +24,7 @@ EXERCISES = {  # stage -> what the untouched starting file fails with
     2: "NotImplementedError",
     3: "NotImplementedError",
     4: "NotImplementedError",
+    5: "NotImplementedError",
 }
 # (module, name): each class or function a learner writes, in the stage's <module> and in
 # exercises/<module> (stage 0's engine, which lives in common/, in exercises/stage0_script/engine.py)
@@ -36,6 +37,7 @@ PIECES = [
     ("stage4_cache_backpressure.cache", "MemoryCache"),
     ("stage4_cache_backpressure.singleflight", "SingleFlight"),
     ("stage4_cache_backpressure.admission", "Admission"),
+    ("stage5_metrics.app", "MetricsBackend"),
 ]
 EXERCISE_MODULE = {"common.engine": "exercises.stage0_script.engine"}  # else exercises.<module>
 

@@ -1,4 +1,5 @@
-"""Stage 5's parts without a server: the registry, the window over it, the savings estimate, the logs."""
+"""Stage 5's parts without a server: the registry, the window over it, the savings estimate, the logs,
+and the backend that counts each request and each batch (the stage 5 exercise's first check)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,29 @@ import itertools
 import json
 import logging
 import re
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import yaml
+from exercise_pieces import metrics_backend
 
 from benchmarks import metrics_reference as reference
+from common.backend import EmbedJob
+from common.batch_stats import BatchRecord
 from common.engine import Engine
+from common.limits import APIError
 from common.settings import Settings
-from stage5_metrics.logs import JsonFormatter, RequestRecord, TextFormatter, configure_logging, log_request
+from stage5_metrics import app as stage5
+from stage5_metrics.logs import (
+    JsonFormatter,
+    RequestRecord,
+    TextFormatter,
+    configure_logging,
+    current_record,
+    log_request,
+)
 from stage5_metrics.metrics import Metrics
 from stage5_metrics.savings import CostModel
 from stage5_metrics.stage_counts import StageCounts
@@ -250,7 +264,7 @@ def test_metrics_reference_is_current() -> None:
 
 
 def test_prometheus_rules_name_real_metrics() -> None:
-    """The scrape config and recording rules the chapter shows parse, and name metrics that exist."""
+    """The scrape config and recording rules parse, and name metrics that exist."""
     folder = reference.OUT.parents[2] / "stage5_metrics" / "prometheus"
     config = yaml.safe_load((folder / "prometheus.yml").read_text())
     assert config["scrape_configs"][0]["metrics_path"] == "/metrics"
@@ -261,3 +275,98 @@ def test_prometheus_rules_name_real_metrics() -> None:
     for name in used:
         base = re.sub(r"_(bucket|sum|count)$", "", name)
         assert f"`{base}`" in exposed, name
+
+
+# --- stage 5's backend: what a request and a batch record (make exercise STAGE=5 starts here) ---
+MetricsBackend = metrics_backend()  # stage 5's; with EXERCISE=1 yours (exercises/stage5_metrics/app.py)
+
+
+@pytest.fixture
+def backend_of(engine: Engine) -> Iterator[Callable[[Metrics], stage5.MetricsBackend]]:
+    """A stage 5 backend on the real engine, counting into ``metrics`` (not started). Its start
+    chains SIGTERM and SIGINT handlers, as in the server; the test's own are put back after."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield lambda metrics: MetricsBackend(
+        engine, Settings(cache_url=None), metrics, Window(metrics), lambda: None
+    )
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def test_the_backend_counts_each_batch_by_its_on_batch_hook(
+    backend_of: Callable[[Metrics], stage5.MetricsBackend],
+) -> None:
+    """``on_batch``: stage 3's batcher calls it after each model call with the batch's record, and
+    the batch is counted once: by tier, its size, its padded tokens and padding, its model time
+    in seconds, and a batch whose model call raised as an error."""
+    metrics = Metrics()
+    backend = backend_of(metrics)
+    backend.on_batch(BatchRecord(3, 40, 30, "medium", [1.0, 1.0, 2.0], 20.0, None))
+    backend.on_batch(BatchRecord(1, 8, 8, "high", [0.5], 5.0, "RuntimeError"))
+    counted = read(metrics, 0.0).values
+    assert counted["batches_total medium"] == 1 and counted["batches_total high"] == 1
+    assert counted["batches_total low"] == 0 and counted["batch_errors_total"] == 1
+    assert counted["batch_size_texts_count"] == 2 and counted["batch_size_texts_sum"] == 4
+    assert counted["batch_tokens_sum"] == 48 and counted["batch_padding_tokens_total"] == 10
+    assert counted["batch_padding_ratio_sum"] == pytest.approx(0.25)
+    assert counted["batch_inference_seconds_sum"] == pytest.approx(0.025)
+
+
+async def test_the_backend_counts_each_request_and_fills_its_log_record(
+    backend_of: Callable[[Metrics], stage5.MetricsBackend], engine: Engine
+) -> None:
+    """``embed``: stage 4's answer, counted once in the registry from its typed result (texts,
+    tokens, queue time when a text reached the model, the model time its cache hits saved), and
+    written into the request's log record (``current_record``): the text count first, so a request
+    refused with 504 is logged with it too. A request that skipped the cache has no hits, no
+    misses and saved nothing."""
+    metrics = Metrics()
+    backend = backend_of(metrics)
+    await backend.start()
+    try:
+        texts = [f"counted once {time.time_ns()} {i}" for i in range(2)]
+        tokens = sum(t.n_tokens for t in engine.tokenize(texts))
+
+        async def embed(name: str, job: EmbedJob) -> RequestRecord:
+            record = RequestRecord(name)
+            reset = current_record.set(record)  # as the middleware does
+            try:
+                result = await backend.embed(job)
+                assert result.vectors.shape == (len(job.texts), engine.dimensions)
+            finally:
+                current_record.reset(reset)
+            return record
+
+        miss = await embed("miss", EmbedJob(texts=texts))
+        counted = read(metrics, 0.0).values
+        assert counted["texts_total"] == 2 and counted["tokens_total"] == tokens
+        assert counted["queue_wait_seconds_count"] == 1 and counted["cache_saved_model_seconds_total"] == 0
+        assert counted["batch_size_texts_sum"] == 2  # the batch of its misses, once (on_batch)
+        assert (miss.texts, miss.tokens, miss.cache_hits, miss.cache_misses) == (2, tokens, 0, 2)
+        assert miss.queue_ms is not None and miss.inference_ms is not None and miss.inference_ms > 0
+
+        hit = await embed("hit", EmbedJob(texts=texts))
+        counted = read(metrics, 0.0).values
+        assert counted["texts_total"] == 4 and counted["tokens_total"] == 2 * tokens
+        assert counted["queue_wait_seconds_count"] == 1  # no text of it reached the model
+        assert backend.cost is not None
+        saved = 2 * backend.cost.call_ms(tokens / 2) / 1e3  # two hits, each a call of its own
+        assert counted["cache_saved_model_seconds_total"] == pytest.approx(saved)
+        assert (hit.texts, hit.tokens, hit.cache_hits, hit.cache_misses) == (2, tokens, 2, 0)
+        assert hit.queue_ms is None
+
+        skipped = await embed("skipped", EmbedJob(texts=texts, use_cache=False))
+        counted = read(metrics, 0.0).values
+        assert counted["texts_total"] == 6 and counted["queue_wait_seconds_count"] == 2
+        assert counted["cache_saved_model_seconds_total"] == pytest.approx(saved)
+        assert (skipped.texts, skipped.cache_hits, skipped.cache_misses) == (2, 0, 0)
+
+        late = RequestRecord("late")
+        reset = current_record.set(late)
+        with pytest.raises(APIError) as refused:
+            await backend.embed(EmbedJob(texts=[f"too late {time.time_ns()}"], deadline=time.monotonic() - 1))
+        current_record.reset(reset)
+        assert refused.value.status == 504 and late.texts == 1
+        assert read(metrics, 0.0).values["texts_total"] == 6  # texts of answered requests only
+    finally:
+        await backend.close()
