@@ -126,7 +126,7 @@ exercise: setup
 
 #> measure: the evidence the chapters quote (docs/benchmarking.md)
 # loadtests/ is the kit, benchmarks/ the experiments. A reader's run writes out/ (git-ignored) and
-# prints its figures beside the committed ones. QUICK=1: the short form (seconds per point).
+# prints its tables (the committed ones are in docs/results/). QUICK=1: the short form (seconds per point).
 # RECORD=1: write docs/results/ and docs/img/ (the committed evidence), from a clean tree only
 # unless ALLOW_DIRTY=1 (the stamp then says so).
 EVIDENCE = $(if $(QUICK),--quick) $(if $(RECORD),--record) $(if $(ALLOW_DIRTY),--allow-dirty)

@@ -5,8 +5,8 @@
 1. A Redis tier at a distance: the lesson's client (CACHE_CLIENT=per-command) and the pooled one,
    plain and TLS, near and 30 ms away (``loadtests.delay_relay``); and no cache at all.
 2. The lookup's bound (CACHE_TIMEOUT_MS) under load: at the model's cost, and the default.
-3. The seed's repeated-text workload on stage 3 and stage 4.
-4. The seed's overload run on stage 4 (MAX_QUEUE=5) and stage 3 (no bound).
+3. The repeated-text workload on stage 3 and stage 4.
+4. The overload run on stage 4 (MAX_QUEUE=5) and stage 3 (no bound).
 5. A flood of clients that wait a refusal's Retry-After or send again at once, by SHED_DELAY_MS.
 """
 
@@ -134,7 +134,7 @@ def _ms(values: list[float]) -> dict[str, float]:
 
 
 def _fire(server: StageProcess, texts: list[str], concurrency: int, alive: bool = True) -> dict[str, Any]:
-    """Status 0: no answer (counted). ``alive=False``: a connection a request, as the seed's clients."""
+    """Status 0: no answer (counted). ``alive=False``: a connection a request, as independent clients."""
     answers, wall = _send(server, texts, concurrency, alive)
     by_status: dict[str, Any] = {}
     for status in sorted({a.status for a in answers}):

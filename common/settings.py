@@ -37,8 +37,8 @@ class Settings(BaseSettings):
     )
     onnx_spinning: bool = Field(
         False,
-        description="Let ONNX Runtime threads spin between calls. Off: spinning burns the cores "
-        "the HTTP side needs (measured in the stage 2 chapter).",
+        description="Let ONNX Runtime threads spin between calls. Off: an idle spinning thread keeps "
+        "its core busy, CPU other processes need (stage 2's lab notes sweep it).",
     )
 
     # --- HTTP server ------------------------------------------------------
@@ -67,7 +67,7 @@ class Settings(BaseSettings):
 
     # --- stage 2: thread pool ---------------------------------------------
     worker_threads: int = Field(
-        2, ge=1, description="Threads that run the model at once (stage 2; measured in its chapter)."
+        2, ge=1, description="Threads that run the model at once (stage 2; its lab notes sweep the layouts)."
     )
 
     # --- stage 3: dynamic batching -----------------------------------------
@@ -81,7 +81,7 @@ class Settings(BaseSettings):
         2,
         ge=1,
         description="Batches in the model at once (stages 3-5); with ONNX_INTRA_THREADS=0 each "
-        "gets the cores divided by this (measured in the stage 3 chapter).",
+        "gets the cores divided by this (the stage 3 chapter measures one slot against two).",
     )
     max_batch_tokens: int = Field(
         8192, ge=1, description="Most padded tokens (rows x longest row) in one model call."
@@ -91,7 +91,7 @@ class Settings(BaseSettings):
         ge=0,
         description="How long a batch waits to fill up, counted from its oldest text (MEDIUM tier; "
         "a LOW-tier batch never waits; 0: no wait, a busy model slot fills the next batch; "
-        "measured in the stage 3 chapter).",
+        "the stage 3 chapter measures windows by load).",
     )
     batch_window_high_ms: float = Field(
         0.0,
@@ -151,7 +151,7 @@ class Settings(BaseSettings):
         ge=0,
         description="While the queue is full, how long a refused request waits for its 503: a client "
         "that sends again at once is slowed down, so refusals leave the cores to admitted work "
-        "(measured in the stage 4 chapter).",
+        "(the stage 4 chapter measures delays under a flood).",
     )
     request_timeout_s: float = Field(
         30.0, gt=0, description="Default deadline; `X-Request-Timeout` overrides it per request."

@@ -126,7 +126,7 @@ INT8_VARIANTS = ("int8-dynamic", "int8-static", "int8-rowwise")
 
 # --8<-- [start:default]
 # Served as `int8` when it passes the gate and is batch invariant: a text gets one vector, alone or
-# in any batch, at dynamic INT8's size and one-thread speed (measured in docs/lab/stage0.md).
+# in any batch (its size and speed beside dynamic INT8 are in stage 0's results).
 PREFERRED_INT8 = "int8-rowwise"
 
 

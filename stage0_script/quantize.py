@@ -47,7 +47,7 @@ class StaticRecipe:
 
 # Static INT8 recipe, chosen by the measurements in docs/lab/stage0.md (`make results ONLY=stage0`):
 # Entropy calibration on unpadded texts, with the MatMul after GELU kept in fp32, is the
-# simplest recipe that passes both gates; calibration choices alone stay far below them.
+# simplest recipe that passes both gates; calibration choices alone do not pass them.
 STATIC_RECIPE = StaticRecipe(
     calibration="Entropy", pad_calibration=False, exclude=(r"/layer\.\d+/output/dense/MatMul$",)
 )

@@ -8,8 +8,8 @@ CPU the model computes a padded token at the cost of a real one.
 * **Length buckets** (SPLIT_BY_LENGTH, CALL_OVERHEAD_TOKENS): grouping only acts when the queue is
   deeper than a batch; one batch of mixed texts still pads every row to its longest. One more
   model call costs about CALL_OVERHEAD_TOKENS tokens, so the model thread runs a batch as the
-  cheapest set of calls (an exact dynamic program over the sorted lengths). One request's texts
-  always stay together, in their order, in one call.
+  cheapest set of calls (every way to cut the sorted lengths into runs, each prefix's best cut
+  reused). One request's texts always stay together, in their order, in one call.
 
 ``refined.py`` passes them to the batcher; each is off (the textbook way) with its setting false.
 """

@@ -2,8 +2,7 @@
 
 Each refinement is one named piece with its setting, and ``RefinedBatcher`` holds them as
 fields: its methods are the textbook's points where a piece steps in, each overridden once,
-calling the pieces it needs in plain sight (the way a Starlette app holds its middleware list,
-or an httpx client its transport). A piece left out (the tests, one refinement at a time) or
+calling the pieces it needs in plain sight. A piece left out (the tests, one refinement at a time) or
 switched off by its setting leaves the textbook's way.
 
 1. load tiers (``LoadTiers``): BATCH_LOW_THRESHOLD, BATCH_HIGH_THRESHOLD, BATCH_WINDOW_HIGH_MS

@@ -2,12 +2,12 @@
 
 The cost model chapter prices a call as a fixed overhead plus its tokens. At start the server
 fits that line to lone calls of a few lengths (the median of five runs each): a cache hit saved
-one such call of its request's mean text length. Had it missed, it would more likely have joined
-a batch, where the cost model measures a text's share at about the same price on this CPU path.
+one such call of its request's mean text length. Had it missed, it might have joined a batch
+instead; what a text costs there is the cost model's batching line.
 
 Batching's saving is not estimated: what a batch's texts would have cost run apart cannot be
-measured without running them apart, and the cost model finds batching buys little on two CPU
-cores. The batch charts show what batching did instead: sizes, padding and model time per batch.
+measured without running them apart. The batch charts show what batching did instead: sizes,
+padding and model time per batch.
 """
 
 from __future__ import annotations

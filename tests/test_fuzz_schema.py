@@ -4,11 +4,11 @@ For every operation a stage documents, hypothesis generates schema-valid bodies 
 schema-breaking ones (negative); schemathesis sends them and checks every answer: no 5xx; status,
 content type, headers and body as documented; schema-breaking input refused with a 4xx.
 
-One check is left out on purpose: ``positive_data_acceptance`` expects every schema-valid body to be
-accepted, but the limits that make some of them 422 (MAX_ITEMS, MAX_CHARS, no empty strings) are
-runtime settings the schema does not carry. And one answer is added to those that count as refusing
-schema-breaking input: 413, for a body over MAX_BODY_BYTES (a 500-example run generated a 2.4 MB
-string; the size is checked first, and 413 is the documented answer).
+One check is left out on purpose: ``positive_data_acceptance`` expects every schema-valid body
+to be accepted, but some limits are checks the schema cannot carry (a text's tokens with
+``truncate`` off, the body's bytes), so a schema-valid body can still get a 4xx. And one answer
+is added to those that count as refusing schema-breaking input: 413, for a body over
+MAX_BODY_BYTES (the size is checked first, and 413 is the documented answer).
 
 ``make test`` runs FUZZ_EXAMPLES (default 25) examples per operation and mode, ``make fuzz`` 500;
 the test records what it sent (``observe``) for ``python -m benchmarks.reliability``.

@@ -217,7 +217,7 @@ def test_the_textbook_batcher_answers_everyone_once_too(
 
 
 def test_poison_fails_only_the_guilty_request() -> None:
-    """The example the issue names, written out: eight callers in one batch, one poisoned."""
+    """A poisoned batch, written out: eight callers in one batch, one of them poisoned."""
     subs = [Submission(((i + 1, i + 2),), None, None, 0) for i in range(8)]
     subs[5] = Submission(((3, POISON, 4),), None, None, 0)
     config = {"max_batch_size": 8, "batch_window_ms": 50.0, "batch_low_threshold": 1}

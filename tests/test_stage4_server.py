@@ -176,7 +176,7 @@ def test_client_leaving_mid_body_is_no_server_error(stage_server: Any) -> None:
 def test_overload_503s_without_model_work_correct_200s_no_500_and_healthy_after(
     server_factory: Any, engine: Engine
 ) -> None:
-    """The seed's experiment: queue capped at 5, 300 requests at concurrency 200.
+    """The overload experiment: queue capped at 5, 300 requests at concurrency 200.
 
     One passage per request, so the model is the bottleneck on any machine, however fast.
     """
@@ -187,7 +187,7 @@ def test_overload_503s_without_model_work_correct_200s_no_500_and_healthy_after(
 
         async def fire() -> list[tuple[int, float, httpx.Response]]:
             gate = asyncio.Semaphore(200)
-            # One connection per request: 300 independent clients, as in the seed's experiment.
+            # One connection per request: 300 independent clients.
             limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
             async with httpx.AsyncClient(limits=limits, timeout=120) as client:
 
