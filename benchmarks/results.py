@@ -66,10 +66,11 @@ STEPS: tuple[Step, ...] = (
     # 5 servers starting at once (20 s), then 3 rounds x 5 layouts x 2 loads x (3 s + about 0.7 s to settle)
     Step("stage2-threads", "stage 2: thread settings", "benchmarks.stage2_threads", ("stage2_threads.json",),
          2.5, 1),
-    # the engine alone (14 x 1 s), the batcher alone (3 rounds x 11 bursts, 40 s), 6 servers starting
-    # at once (25 s), then 2 rounds x 17 points x (3 s + about 0.7 s to settle)
+    # the engine alone (14 x 1 s), the batcher alone (5 rounds x 11 bursts, 70 s), 6 servers starting
+    # at once (25 s), then 4 rounds x 17 points x (3 s + about 0.7 s to settle): four rounds, since
+    # a window's effect on this machine is about the size of two rounds' noise
     Step("stage3", "stage 3: targets, windows by load, each refinement", "benchmarks.stage3",
-         ("stage3.json",), 4, 2),
+         ("stage3.json",), 6, 2),
     # a full run took 2.6 min on a busy machine
     Step("stage4", "stage 4: Redis at a distance, the lookup's bound, repeats, overload, a flood",
          "benchmarks.stage4", ("stage4.json",), 3, 1.5),

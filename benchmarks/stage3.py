@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds per server point")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of the servers and of the prices")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of the servers and of the prices")
     evidence.add_arguments(parser)
     args = parser.parse_args(argv)
     run = evidence.start("benchmarks.stage3", args, argv)
