@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             study.static(name, recipe, note)
         print("speed (interleaved rounds, median)", flush=True)
         names = [n for n, r in study.results.items() if "error" not in r]
-        for name, figures in speed.variants(study.dir, names, rounds=1 if args.quick else 2).items():
+        for name, figures in speed.variants(study.dir, names, rounds=1 if args.quick else 3).items():
             study.results[name] |= figures
         results = study.results
     return {

@@ -25,7 +25,9 @@ def variants(model_dir: Path, names: list[str], rounds: int, batch: int = 16) ->
     Wall-clock texts/s (best of rounds) is kept beside it.
     """
     tokenizer = Engine(model_dir, "fp32").tokenize
-    singles = [t.ids for t in tokenizer(corpus.texts(24, seed=12, kind="sentence"))]
+    # 96 single texts: a call of one text takes a few milliseconds, and fewer let a round's figure
+    # swing by a tenth from one run to the next.
+    singles = [t.ids for t in tokenizer(corpus.texts(96, seed=12, kind="sentence"))]
     mixed = [[t.ids for t in tokenizer(corpus.texts(32, seed=13 + i, kind="mixed"))] for i in range(2)]
     batches = [call[j : j + batch] for call in mixed for j in range(0, len(call), batch)]
     big = f"b{batch}"
