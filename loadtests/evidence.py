@@ -7,9 +7,9 @@ with: each setting that differs from the defaults in ``common.settings.Settings`
 default with its fingerprint, so a test can tell which default changed after the run (a setting
 added later, at a default that keeps what was measured, leaves the run current).
 
-A reader's run writes to ``out/`` (git-ignored) and prints its figures beside the committed ones;
-only ``--record`` (``make results``, ``RECORD=1``) writes ``docs/results/`` and ``docs/img/``, and it
-refuses a tree with uncommitted changes unless ``--allow-dirty``, which marks the stamp dirty.
+A reader's run writes to ``out/`` (git-ignored) and prints its tables; only ``--record``
+(``make results``, ``RECORD=1``) writes ``docs/results/`` and ``docs/img/``, and it refuses a
+tree with uncommitted changes unless ``--allow-dirty``, which marks the stamp dirty.
 """
 
 from __future__ import annotations

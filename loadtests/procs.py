@@ -6,7 +6,6 @@
 * ``redis_server``: a private redis-server with persistence off, plain or over TLS (a CA and a
   certificate made on the spot with ``trustme``). The shared Redis on 6379 must never be
   stopped, so anything that kills, pauses, password-protects or encrypts Redis starts its own.
-* ``any_redis``: the shared Redis when it answers, else a private one.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import redis
 import tenacity
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_REDIS = "redis://127.0.0.1:6379/0"
 
 
 def free_port() -> int:
@@ -282,13 +280,3 @@ def redis_server(
         yield server
     finally:
         server.stop()
-
-
-@contextmanager
-def any_redis(workdir: Path | None = None) -> Iterator[str]:
-    """The URL of the shared Redis when it answers, else of a private one (killed on exit)."""
-    if redis_answers(SHARED_REDIS):
-        yield SHARED_REDIS
-        return
-    with redis_server(workdir=workdir) as server:
-        yield server.url
