@@ -51,7 +51,7 @@ class Admission:
         return max(1, min(RETRY_AFTER_MAX_S, math.ceil(texts / self.drain_rate)))
 
     def observe(self, record: BatchRecord) -> None:
-        """Fed every model call (stage 3's ``on_batch``): texts per second while the model works."""
+        """Fed every batch (stage 3's ``on_batch``): texts per second while the model works."""
         if record.inference_ms <= 0 or record.error is not None:
             return
         # One batch's rate is one slot's; BATCH_CONCURRENCY slots drain the queue side by side.

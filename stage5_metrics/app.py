@@ -85,7 +85,7 @@ class MetricsBackend(stage4.CacheBackend):
 
     # --8<-- [start:on_batch]
     def on_batch(self, batch: BatchRecord) -> None:
-        """Called by stage 3's batcher after each model call: once per batch, not per text."""
+        """Called by stage 3's batcher after each batch (one model call or several): once per batch."""
         self.metrics.observe_batch(
             batch.size, batch.padded_tokens, batch.real_tokens, batch.tier, batch.inference_ms / 1e3,
             batch.error is not None,

@@ -68,7 +68,7 @@ class MetricsBackend(stage.MetricsBackend):
         )
 
     def on_batch(self, batch: BatchRecord) -> None:
-        """Called by stage 3's batcher after each model call: count the batch once, not per text.
+        """Called by stage 3's batcher after each batch (one model call or several): count it once.
 
         TODO: ``self.metrics.observe_batch`` with the batch's size, padded and real tokens, tier,
         model time in seconds, and whether the model call raised.
