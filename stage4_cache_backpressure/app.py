@@ -67,12 +67,9 @@ class CacheBackend(BatchingBackend):
         self.cache = Cache(settings, engine.dimensions, self.stats.cache)  # NEW: two tiers
         self.flights: SingleFlight[CacheEntry] = SingleFlight()  # NEW: one computation per text
         # NEW: the bounded queue, measured on the batcher's own queue
-        self.admission = Admission(
-            settings.max_queue, settings.overload_status, lambda: self.batcher.queue_depth,
-            slots=settings.batch_concurrency,
-        )  # fmt: skip
-        self.draining = False
-        self._drain_on_signal = drain_on_signal
+        depth, s = (lambda: self.batcher.queue_depth), settings
+        self.admission = Admission(s.max_queue, s.overload_status, depth, s.batch_concurrency)
+        self.draining, self._drain_on_signal = False, drain_on_signal
 
     async def start(self) -> None:
         await super().start()
