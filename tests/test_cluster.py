@@ -137,8 +137,9 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             "CLUSTER_CONFIG": str(DESIGNS[request.param]),
             "CACHE_URL": redis_url,  # one tier for both replicas
             # Every request's deadline (the node-kill test counts on it), above the time Ray takes to
-            # report a killed actor to its callers (about 5 s seen here): a request in flight on the
-            # lost node gets its retryable 503 then, not a 504 (composed: the ingress's deadline).
+            # declare the killed node dead (3 missed health checks 1 s apart, cluster.node_env): a
+            # request sent to the lost node gets its retryable 503 then, not a 504 (composed: the
+            # ingress's deadline). With Ray's defaults (5 x 3 s) a retry sent there waited past it.
             "REQUEST_TIMEOUT_S": str(DEADLINE_S),
         }
         ports = {"gcs_port": env["CLUSTER_GCS_PORT"], "dashboard_port": env["CLUSTER_DASHBOARD_PORT"]}

@@ -39,7 +39,8 @@ _SERVE = str(Path(sys.executable).with_name("serve"))
 
 
 def node_env() -> dict[str, str]:
-    """What every process of a node gets: the repository on the path, the proxy's middleware."""
+    """What every process of a node gets: the repository on the path, the proxy's middleware, how
+    soon a lost node is noticed."""
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {
         "PYTHONPATH": path,
@@ -48,6 +49,11 @@ def node_env() -> dict[str, str]:
         # spread instead (Ray's power of two choices): the worker's replica is no overflow tank.
         "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
+        # A crashed node is declared dead after this many missed health checks, this far apart;
+        # until then a request sent to its replicas waits. Ray's defaults (5 x 3 s) outlast a
+        # request's deadline, so the caller got a 504 where a retryable 503 was due.
+        "RAY_health_check_period_ms": "1000",
+        "RAY_health_check_failure_threshold": "3",
     }
 
 
