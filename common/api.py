@@ -17,9 +17,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
@@ -37,9 +37,9 @@ from common.engine import Engine
 from common.limits import APIError, BodyGuard, error_response, not_ready
 from common.routing import (
     ERRORS,
+    NumpyJSONResponse,
     body_doc,
     install_error_handlers,
-    json_response,
     read_body,
 )
 from common.schemas import (
@@ -60,9 +60,9 @@ __all__ = [
     "EmbedRequest",
     "EmbedResult",
     "OpenAIEmbeddingRequest",
+    "backend_of",
     "check_truncation",
     "create_app",
-    "json_response",
     "read_body",
     "tokenize",
     "validate_texts",
@@ -127,22 +127,18 @@ def create_app(
         engine = await run_in_threadpool(Engine.from_settings, settings, calls_at_once(settings))
         await run_in_threadpool(engine.warmup)
         backend = make_backend(engine, settings)
-        if hasattr(backend, "start"):
-            await backend.start()
+        await backend.start()
         app.state.engine, app.state.backend = engine, backend
-        app.state.ready = True
         log.info("%s ready: model %s", title, engine.model_name)
         try:
             yield
         finally:
-            app.state.ready = False
-            if hasattr(backend, "close"):
-                await backend.close()
+            app.state.backend = None  # from here on, a request that needs it is told "not ready"
+            await backend.close()
 
     app = FastAPI(title=title, description=description, lifespan=lifespan, version="1.0")
     app.state.settings = settings
-    app.state.ready = False
-    app.state.draining = False  # stage 4's drain: /ready says 503, requests are still served
+    app.state.backend = None  # the lifespan makes it once the model has loaded
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     install_auth(app, settings)  # outside the contract: a request without a key is not even read
     install_error_handlers(app)
@@ -150,21 +146,30 @@ def create_app(
     return app
 
 
+def backend_of(request: Request) -> Backend:
+    """The app's backend, for a route that needs it (``Depends(backend_of)``): 503 while there is
+    none, before the model has loaded and once the server has closed it."""
+    backend: Backend | None = request.app.state.backend
+    if backend is None:
+        raise not_ready()
+    return backend
+
+
 def _install_routes(app: FastAPI, settings: Settings) -> None:
     # --8<-- [start:run_job]
     async def run_job(
         request: Request,
+        backend: Backend,
         started: float,
         texts: list[str],
+        *,
         param: str,
-        normalize: bool,
-        truncate: bool,
-        cache: bool,
+        normalize: bool = True,
+        truncate: bool = True,
+        cache: bool = True,
     ) -> EmbedResult:
         """Validate, hand to the stage's backend (which tokenizes and runs the model): the part
         every stage shares."""
-        if not request.app.state.ready:
-            raise not_ready()
         validate_texts(texts, settings, param)
         if cache and "no-cache" in request.headers.get("cache-control", ""):
             cache = False
@@ -172,7 +177,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         # receive: for a stage that drops the work of a client that hung up (stage 4)
         job = EmbedJob(texts, normalize, truncate, cache, deadline, param, request.receive)
         try:
-            result = await request.app.state.backend.embed(job)
+            result = await backend.embed(job)
         except APIError as exc:  # a refusal says how long it took too (a 503 should be fast)
             exc.headers["x-total-time"] = f"{(time.perf_counter() - started) * 1e3:.2f}"
             raise
@@ -189,12 +194,15 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         responses=ERRORS,
         openapi_extra=body_doc(EmbedRequest, "inputs", settings),
     )
-    async def embed(request: Request) -> Response:
+    async def embed(request: Request, backend: Annotated[Backend, Depends(backend_of)]) -> Response:
         """Embed one text or a list of texts."""
         started = time.perf_counter()
         body = await read_body(request, EmbedRequest)
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        result = await run_job(request, started, texts, "inputs", body.normalize, body.truncate, body.cache)
+        result = await run_job(
+            request, backend, started, texts,
+            param="inputs", normalize=body.normalize, truncate=body.truncate, cache=body.cache,
+        )  # fmt: skip
         engine: Engine = request.app.state.engine
         payload = {
             "embeddings": result.vectors,
@@ -202,7 +210,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
             "dimensions": engine.dimensions,
             "truncated": result.truncated,
         }
-        return json_response(payload, headers=_result_headers(result, started))
+        return NumpyJSONResponse(payload, headers=_result_headers(result, started))
 
     @app.post(
         "/v1/embeddings",
@@ -211,7 +219,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         responses={404: {"model": ErrorResponse, "description": "Unknown `model`"}, **ERRORS},
         openapi_extra=body_doc(OpenAIEmbeddingRequest, "input", settings),
     )
-    async def embeddings(request: Request) -> Response:
+    async def embeddings(request: Request, backend: Annotated[Backend, Depends(backend_of)]) -> Response:
         """OpenAI-compatible embeddings (the official `openai` client works unchanged)."""
         started = time.perf_counter()
         body = await read_body(request, OpenAIEmbeddingRequest)
@@ -231,7 +239,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
                 param="dimensions",
             )
         texts = [body.input] if isinstance(body.input, str) else body.input
-        result = await run_job(request, started, texts, "input", True, True, True)
+        result = await run_job(request, backend, started, texts, param="input")
         vectors: Any = result.vectors  # orjson writes a (n, 384) float32 array row by row
         if body.encoding_format == "base64":
             vectors = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in result.vectors]
@@ -242,7 +250,7 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
             "model": engine.model_name,
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
         }
-        return json_response(payload, headers=_result_headers(result, started))
+        return NumpyJSONResponse(payload, headers=_result_headers(result, started))
 
     @app.get("/v1/models", tags=["meta"], response_model=ModelList)
     async def models(request: Request) -> Response:
@@ -251,18 +259,19 @@ def _install_routes(app: FastAPI, settings: Settings) -> None:
         data = []
         if engine is not None:
             data.append({"id": engine.model_name, "object": "model", "created": 0, "owned_by": "embedserve"})
-        return json_response({"object": "list", "data": data})
+        return NumpyJSONResponse({"object": "list", "data": data})
 
     @app.get("/health", tags=["meta"], response_model=Status)
     async def health(request: Request) -> Response:
         """Liveness: the process answers."""
-        return json_response({"status": "ok"})
+        return NumpyJSONResponse({"status": "ok"})
 
     @app.get("/ready", tags=["meta"], response_model=Status, responses={503: {"model": ErrorResponse}})
     async def ready(request: Request) -> Response:
         """Readiness: 503 until the model is loaded and warmed, and again while draining."""
-        if request.app.state.ready and not request.app.state.draining:
-            return json_response({"status": "ready"})
+        backend: Backend | None = request.app.state.backend
+        if backend is not None and not backend.draining:
+            return NumpyJSONResponse({"status": "ready"})
         return error_response(not_ready())
 
 

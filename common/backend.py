@@ -54,7 +54,17 @@ class EmbedResult:
 
 
 class Backend(Protocol):
+    """What every stage's backend is: started and closed by the app's lifespan, asked to embed in
+    between. ``draining`` is true from a drain's start (stage 4): ``/ready`` answers 503 then."""
+
+    @property
+    def draining(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
     async def embed(self, job: EmbedJob) -> EmbedResult: ...
+
+    async def close(self) -> None: ...
 
 
 BackendFactory = Callable[[Engine, Settings], Backend]

@@ -50,11 +50,46 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-def not_ready() -> APIError:
+# --8<-- [start:outcomes]
+# The outcomes a request can meet besides its answer, each a type of its own: a counter counts by
+# type (stage 4's ``Stage4Stats``), never by status number, so a 503 for "not ready" is never
+# counted as an overload.
+class NotReady(APIError):
+    """503: no backend to serve it: the model is loading, or the server is shutting down."""
+
+    def __init__(self, message: str = "") -> None:
+        message = message or "the server is not ready: the model is loading, or the server is shutting down"
+        super().__init__(503, message, headers={"Retry-After": "1"})
+
+
+class Overloaded(APIError):
+    """503 (or 429, by OVERLOAD_STATUS): the bounded queue is full; ``Retry-After`` says when to retry."""
+
+    def __init__(self, message: str, *, status: int = 503, retry_after_s: int = 1) -> None:
+        super().__init__(status, message, headers={"Retry-After": str(retry_after_s)})
+
+
+class DeadlineExceeded(APIError):
+    """504: the request's deadline passed before its texts reached the model."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(504, message)
+
+
+class ClientGone(APIError):
+    """499: the client hung up; nobody reads this answer, and its queued work is dropped."""
+
+    def __init__(self, message: str = "client closed the request") -> None:
+        super().__init__(499, message)
+
+
+# --8<-- [end:outcomes]
+
+
+def not_ready() -> NotReady:
     """A request that needs the backend while there is none: before the lifespan has made it, or
     after it has closed it (and ``/ready`` from the drain's start)."""
-    message = "the server is not ready: the model is loading, or the server is shutting down"
-    return APIError(503, message, headers={"Retry-After": "1"})
+    return NotReady()
 
 
 def model_failed(exc: Exception) -> APIError:

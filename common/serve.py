@@ -7,7 +7,9 @@ reader does. HOST and PORT come from the settings (environment).
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
+from typing import Any
 
 import uvicorn
 
@@ -48,6 +50,23 @@ def resolve(name: str) -> str:
     raise SystemExit(f"unknown stage {name!r}; one of {', '.join(STAGES)}")
 
 
+def app_of(stage: str) -> tuple[str, bool]:
+    """uvicorn's target for a stage, and whether it is a factory: a stage's ``app.py`` holds its
+    ``app``, or an app factory ``create_app`` where the app must be built by uvicorn (stage 5
+    configures uvicorn's own log lines)."""
+    module = importlib.import_module(f"{stage}.app")
+    factory = callable(getattr(module, "create_app", None)) and not hasattr(module, "app")
+    return (f"{stage}.app:create_app" if factory else f"{stage}.app:app"), factory
+
+
+def log_config(level: str) -> dict[str, Any]:
+    """uvicorn's own logging configuration, with the stages' ``embedserve.*`` loggers written the
+    same way (stage 4's drain and cache lines); stage 5 replaces it with its JSON lines."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["loggers"]["embedserve"] = {"handlers": ["default"], "level": level, "propagate": False}
+    return config
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("stage", help="stage1 .. stage5, or the folder name")
@@ -56,8 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     settings = get_settings()
     workers = f" ({settings.workers} worker processes)" if settings.workers > 1 else ""
     print(f"{stage} listening on http://{settings.host}:{settings.port}{workers}", flush=True)
+    target, factory = app_of(stage)
     uvicorn.run(
-        f"{stage}.app:app",
+        target,
+        factory=factory,
+        log_config=log_config(settings.log_level.upper()),
         host=settings.host,
         port=settings.port,
         workers=settings.workers,  # several: one socket, each process imports the app and loads the model

@@ -24,18 +24,11 @@ import numpy as np
 
 from common.batch_stats import BatcherStats, BatchRecord
 from common.engine import TokenizedText
-from common.limits import APIError
+from common.limits import DeadlineExceeded, NotReady
 from common.settings import Settings
 
 log = logging.getLogger("embedserve.batcher")
 Model = Callable[[list[np.ndarray]], np.ndarray]  # token ids of each text -> one vector each
-
-
-class DeadlineExceeded(APIError):
-    """504: the caller's deadline passed while its texts were still queued."""
-
-    def __init__(self, waited_ms: float) -> None:
-        super().__init__(504, f"request deadline passed after {waited_ms:.0f} ms in the batch queue")
 
 
 @dataclass(slots=True)
@@ -127,7 +120,8 @@ class Batcher:
     def __init__(
         self, run: Model, settings: Settings, *, on_batch: Callable[[BatchRecord], None] | None = None
     ):
-        self._run, self.settings, self._on_batch = run, settings, on_batch
+        self._run, self.settings = run, settings
+        self._observers = [] if on_batch is None else [on_batch]  # told of every batch (``watch``)
         self.stats = BatcherStats()
         self._queue: deque[QueuedText] = deque()  # arrival order
         self._wakeup = asyncio.Event()  # set: the loop has something to decide
@@ -137,6 +131,10 @@ class Batcher:
         self._pool: ThreadPoolExecutor | None = None
         self.in_flight = 0  # batches handed to the model slots
         self._in_flight_texts = 0  # the texts in them
+
+    def watch(self, observer: Callable[[BatchRecord], None]) -> None:
+        """Tell ``observer`` of every batch once it has run (stage 4's admission, stage 5's metrics)."""
+        self._observers.append(observer)
 
     @property
     def queue_depth(self) -> int:
@@ -166,7 +164,7 @@ class Batcher:
     async def submit(self, tokens: Sequence[TokenizedText], *, deadline: float | None = None) -> BatchOutcome:
         """Queue the texts, wait for all their vectors (in order)."""
         if self._closing or self._task is None or self._task.done():
-            raise APIError(503, "the batcher is not running", headers={"Retry-After": "1"})
+            raise NotReady("the batcher is not running")
         if not tokens:
             return BatchOutcome(np.zeros((0, 0), np.float32), 0.0, 0.0, [])
         loop = asyncio.get_running_loop()
@@ -184,7 +182,8 @@ class Batcher:
     def _expire(self, req: PendingRequest) -> None:
         """The deadline passed. Only a caller still wholly queued gets its 504."""
         if req.taken == 0:  # texts already in the model finish normally
-            req.fail(DeadlineExceeded((time.perf_counter() - req.enqueued) * 1e3))
+            waited_ms = (time.perf_counter() - req.enqueued) * 1e3
+            req.fail(DeadlineExceeded(f"request deadline passed after {waited_ms:.0f} ms in the batch queue"))
 
     # --8<-- [end:submit_method]
 
@@ -318,11 +317,11 @@ class Batcher:
         )  # fmt: skip
 
     def _report(self, record: BatchRecord) -> None:
-        """Count the batch, tell the observer; an observer's bug never stops the batcher."""
+        """Count the batch, tell the observers; an observer's bug never stops the batcher."""
         self.stats.add(record)
-        if self._on_batch is not None:
+        for observer in self._observers:
             try:
-                self._on_batch(record)
+                observer(record)
             except Exception:
                 log.exception("on_batch observer failed")
 
@@ -368,7 +367,7 @@ class Batcher:
         if self._task is not None:
             await asyncio.wait([self._task])
         for text in self._drain():  # only if the loop died: nobody waits forever
-            text.req.fail(APIError(503, "the server is shutting down"))
+            text.req.fail(NotReady("the server is shutting down"))
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 

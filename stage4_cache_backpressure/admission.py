@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from common.limits import APIError
+from common.limits import Overloaded
 from stage3_batching.batcher import BatchRecord
 
 RETRY_AFTER_MAX_S = 30
@@ -39,10 +39,10 @@ class Admission:
         if depth + n > self.max_queue and depth > 0:
             raise self.overloaded(depth, n)
 
-    def overloaded(self, depth: int, n: int) -> APIError:
+    def overloaded(self, depth: int, n: int) -> Overloaded:
         """The refusal of ``n`` texts with ``depth`` queued: 503 (or 429), with ``Retry-After``."""
         message = f"server overloaded: {depth} texts queued, MAX_QUEUE={self.max_queue}; retry later"
-        return APIError(self.status, message, headers={"Retry-After": str(self.retry_after(depth + n))})
+        return Overloaded(message, status=self.status, retry_after_s=self.retry_after(depth + n))
 
     def retry_after(self, texts: int) -> int:
         """Whole seconds (what HTTP allows) until ``texts`` queued texts should have drained."""

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from starlette.types import Receive
 
-from common.limits import APIError
+from common.limits import ClientGone
 
 T = TypeVar("T")
 
@@ -21,8 +21,8 @@ T = TypeVar("T")
 # --8<-- [start:disconnect]
 async def unless_client_leaves(work: Coroutine[Any, Any, T], receive: Receive) -> T:
     """Run ``work`` unless the client hangs up first: then cancel it and raise a 499."""
-    working = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_client_gone(receive))
+    working = asyncio.create_task(work)
+    gone = asyncio.create_task(_client_gone(receive))
     try:
         await asyncio.wait({working, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:  # also when this request is cancelled itself (shutdown): neither task outlives it
@@ -30,7 +30,7 @@ async def unless_client_leaves(work: Coroutine[Any, Any, T], receive: Receive) -
         working.cancel()  # a no-op once it is done; else its queued texts are skipped by the batcher
     if working.done() and not working.cancelled():
         return working.result()  # its answer, or the error it raised
-    raise APIError(499, "client closed the request")  # nobody reads this answer
+    raise ClientGone()  # nobody reads this answer
 
 
 async def _client_gone(receive: Receive) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.limits import error_response
@@ -36,21 +35,16 @@ class ShedWhenFull:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in EMBED_PATHS and scope["method"] == "POST":
             # The backend is on the app's state once the model has loaded (``common.api``'s lifespan).
-            backend = getattr(scope["app"].state, "backend", None)
-            if backend is not None and backend.admission.full():
+            backend = scope["app"].state.backend
+            refusal = None if backend is None else backend.turn_away()  # NEW: the backend decides
+            if refusal is not None:
                 started = time.perf_counter()
-                backend.stats.rejected += 1
                 if backend.settings.shed_delay_ms > 0:  # NEW: a client that sends again at once waits
                     await asyncio.sleep(backend.settings.shed_delay_ms / 1e3)
-                refusal = backend.admission.overloaded(backend.admission.depth(), 1)
                 refusal.headers["x-total-time"] = f"{(time.perf_counter() - started) * 1e3:.2f}"
                 await error_response(refusal)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def add_shedding(app: FastAPI) -> None:
-    app.add_middleware(ShedWhenFull)
 
 
 # --8<-- [end:shed]

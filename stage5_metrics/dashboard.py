@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
+from prometheus_client import make_asgi_app
+from starlette.types import Receive, Scope, Send
 
-from stage5_metrics.metrics import CONTENT_TYPE, STATIC_ROUTE, Metrics
+from stage5_metrics.metrics import STATIC_ROUTE, Metrics
 from stage5_metrics.views import series, summary
 from stage5_metrics.window import Window
 
@@ -42,18 +44,25 @@ def metrics_payload(request: Request, metrics: Metrics, window: Window) -> dict[
     }
 
 
+class _Exposition:
+    """prometheus-client's ASGI app as a route's endpoint: Starlette calls an endpoint that is not a
+    plain function as an ASGI app."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.app = make_asgi_app(metrics.registry)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
 def add_dashboard_routes(app: FastAPI, metrics: Metrics, window: Window) -> None:
     page = (STATIC / "dashboard.html").read_text()
 
-    @app.get(
-        "/metrics",
-        tags=["metrics"],
-        response_class=Response,
-        responses={200: {"content": {CONTENT_TYPE: {}}, "description": "Prometheus text format"}},
-    )
-    async def prometheus_metrics() -> Response:
-        """Prometheus text exposition: every ``embedserve_*`` metric and the process defaults."""
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+    # Prometheus text exposition, every ``embedserve_*`` metric and the process defaults: served by
+    # prometheus-client's own ASGI app (content negotiation, gzip) at /metrics itself (mounted, it
+    # would answer /metrics/ and redirect /metrics there).
+    # (Starlette's annotation names a request handler; an ASGI app is the documented other kind.)
+    app.add_route("/metrics", _Exposition(metrics), ["GET"], include_in_schema=False)  # type: ignore[arg-type]
 
     @app.get("/v1/metrics", tags=["metrics"])
     async def metrics_json(request: Request) -> dict[str, Any]:

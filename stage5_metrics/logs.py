@@ -9,14 +9,13 @@ Writing to stderr can block (a full pipe, a slow log shipper), so the ``embedser
 go through the standard library's ``QueueHandler`` and ``QueueListener``: the event loop only
 puts the record on a queue, and the listener's thread formats and writes it. The lifespan's end
 stops the listener (``stop_logging``), which writes every line still queued first, so a SIGTERM
-loses none. uvicorn configures its loggers before it imports the app, so ``configure_logging``,
+loses none. uvicorn configures its loggers before it calls the app factory, so ``configure_logging``,
 called when the app is built, gives uvicorn's lines ("Started server process", "Uvicorn running
 on", errors) the same format; they are few, so they are written directly.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import sys
@@ -92,8 +91,8 @@ class _Queued(QueueHandler):
         lines: queue.SimpleQueue[Any] = queue.SimpleQueue()
         super().__init__(lines)
         self.target = target
-        self.listener = QueueListener(lines, target)
-        self.listener.start()
+        self.listener = QueueListener(lines, target)  # started with the backend (``start_logging``)
+        self.running = False
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         # The default folds the traceback into the message; kept apart, the JSON line's `msg` stays
@@ -111,7 +110,7 @@ def configure_logging(settings: Settings) -> None:
     queued = next((h for h in ours.handlers if isinstance(h, _Queued)), None)
     if queued is None:
         queued = _Queued(logging.StreamHandler(sys.stderr))
-        ours.addHandler(queued)
+    ours.handlers = [queued]  # (in place of the plain handler common.serve gives the earlier stages)
     queued.target.setFormatter(JsonFormatter() if settings.log_format == "json" else TextFormatter())
     ours.setLevel(settings.log_level)
     ours.propagate = False
@@ -121,19 +120,30 @@ def configure_logging(settings: Settings) -> None:
             logger.handlers = [queued.target]
 
 
+def _queued() -> list[_Queued]:
+    return [h for h in logging.getLogger("embedserve").handlers if isinstance(h, _Queued)]
+
+
+def start_logging() -> None:
+    """Start the thread that writes the queued lines (the lifespan's start: lines queued before
+    it, by the app's construction, are written then)."""
+    for handler in _queued():
+        if not handler.running:
+            handler.listener.start()
+            handler.running = True
+
+
 def stop_logging() -> None:
-    """Write every queued line, then stop the listener (the lifespan's end; at exit otherwise).
+    """Write every queued line, then stop the listener (the lifespan's end).
 
     After a SIGTERM uvicorn ends the process by that signal, so a line still queued then would be
     lost. The handler goes too: an app built later in the same process installs a fresh one.
     """
     ours = logging.getLogger("embedserve")
-    for handler in [h for h in ours.handlers if isinstance(h, _Queued)]:
+    for handler in _queued():
         ours.removeHandler(handler)
-        handler.listener.stop()  # the standard listener writes what is queued, then its thread ends
-
-
-atexit.register(stop_logging)  # a process that ends without its lifespan's end (a script, a test)
+        if handler.running:
+            handler.listener.stop()  # the standard listener writes what is queued, then its thread ends
 
 
 @dataclass(slots=True)

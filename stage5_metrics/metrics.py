@@ -24,8 +24,6 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
-    disable_created_metrics,
-    generate_latest,
 )
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
@@ -33,7 +31,6 @@ from prometheus_client.registry import Collector
 from stage5_metrics.stage_counts import PREFIX, TIERS, StageCountsCollector
 
 T = TypeVar("T", bound=Collector)
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 EMBED_ROUTES = frozenset({"/v1/embed", "/v1/embeddings"})  # the traffic the JSON views count
 STATIC_ROUTE = "/dashboard/static"  # the page's files: one label for all of them
 
@@ -54,8 +51,6 @@ class Metrics:
     """One registry per app (no global state, so tests can build many apps in one process)."""
 
     def __init__(self) -> None:
-        # The `_created` twin of every counter doubles the series and Prometheus does not need it.
-        disable_created_metrics()
         r = self.registry = CollectorRegistry()
         for default in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             r.register(default)  # process_*, python_info, python_gc_*: the client's defaults
@@ -147,6 +142,3 @@ class Metrics:
         """This app's ``embedserve_*`` families only (not the process collectors): what the window samples."""
         for collector in self._own:
             yield from collector.collect()
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)

@@ -1,6 +1,6 @@
 """Per request: an id, a timer, the counters and the log line, in one middleware.
 
-``add_telemetry`` gives each request an id (the caller's ``X-Request-ID`` when it is sane, else a
+``Telemetry`` gives each request an id (the caller's ``X-Request-ID`` when it is sane, else a
 new one), returns it in ``x-request-id``, and once the app has answered counts the request by
 route and status and writes its log line. On the way, the backend fills the request's
 ``RequestRecord`` (``logs.current_record``) from its typed result: texts, tokens, cache hits,
@@ -20,7 +20,7 @@ import re
 import time
 import uuid
 
-from fastapi import FastAPI
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stage5_metrics.logs import RequestRecord, current_record, log_request
@@ -72,8 +72,7 @@ class Telemetry:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
-        record = RequestRecord(_request_id(given))
+        record = RequestRecord(_request_id(Headers(scope=scope).get("x-request-id")))
         current_record.set(record)  # for the backend to fill in (each request runs in a task of its own)
         header = (b"x-request-id", record.request_id.encode())
         status = _CLIENT_GONE
@@ -95,10 +94,6 @@ class Telemetry:
             finish(self.metrics, scope, record, status, time.perf_counter() - started)
 
     # --8<-- [end:call]
-
-
-def add_telemetry(app: FastAPI, metrics: Metrics) -> None:
-    app.add_middleware(Telemetry, metrics=metrics)
 
 
 # --8<-- [end:middleware]

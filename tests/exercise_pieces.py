@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 
     from common.engine import Engine
     from stage3_batching.batcher import Batcher
-    from stage4_cache_backpressure.app import CacheBackend
+    from stage4_cache_backpressure.backend import CacheBackend
     from stage4_cache_backpressure.cache import MemoryCache
-    from stage5_metrics.app import MetricsBackend
+    from stage5_metrics.backend import MetricsBackend
 
 EXERCISE = os.environ.get("EXERCISE") == "1"
 
@@ -65,7 +65,7 @@ def memory_cache() -> type[MemoryCache]:
 def cache_backend() -> type[CacheBackend]:
     """Stage 4's backend; with EXERCISE=1 the same backend holding your LRU, single-flight and
     admission check from ``exercises/stage4_cache_backpressure/``."""
-    from stage4_cache_backpressure.app import CacheBackend
+    from stage4_cache_backpressure.backend import CacheBackend
 
     if not EXERCISE:
         return CacheBackend
@@ -74,8 +74,8 @@ def cache_backend() -> type[CacheBackend]:
     from exercises.stage4_cache_backpressure.singleflight import SingleFlight
 
     class WithYourPieces(CacheBackend):
-        def __init__(self, engine: Any, settings: Any, *args: Any, **kwargs: Any) -> None:
-            super().__init__(engine, settings, *args, **kwargs)
+        def __init__(self, engine: Any, batcher: Any, settings: Any, **kwargs: Any) -> None:
+            super().__init__(engine, batcher, settings, **kwargs)
             s = settings  # each piece built with the arguments the stage builds its own with
             self.cache.memory = YourMemoryCache(
                 s.cache_max_items, s.cache_max_bytes, s.cache_ttl_s, self.stats.cache
@@ -84,17 +84,18 @@ def cache_backend() -> type[CacheBackend]:
             self.admission = Admission(
                 s.max_queue, s.overload_status, lambda: self.batcher.queue_depth, slots=s.batch_concurrency
             )
+            batcher.watch(self.admission.observe)
 
     return WithYourPieces
 
 
 def metrics_backend() -> type[MetricsBackend]:
-    """``stage5_metrics.app.MetricsBackend``, or yours from ``exercises/stage5_metrics/app.py``."""
+    """``stage5_metrics.backend.MetricsBackend``, or yours from ``exercises/stage5_metrics/app.py``."""
     if EXERCISE:
         from exercises.stage5_metrics.app import MetricsBackend as Yours
 
         return Yours
-    from stage5_metrics.app import MetricsBackend
+    from stage5_metrics.backend import MetricsBackend
 
     return MetricsBackend
 

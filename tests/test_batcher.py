@@ -25,9 +25,9 @@ from exercise_pieces import textbook_batcher
 from common import corpus
 from common.engine import Engine, TokenizedText, l2_normalize
 from common.settings import Settings
-from stage3_batching.app import RefinedBatcher
 from stage3_batching.batcher import BatchOutcome, BatchRecord, Computed, DeadlineExceeded
 from stage3_batching.lengths import length_buckets
+from stage3_batching.refined import RefinedBatcher
 
 Batcher = textbook_batcher()  # stage 3's; with EXERCISE=1 yours (exercises/stage3_batching/batcher.py)
 Kind = Callable[..., Batcher]  # a batcher class, or RefinedBatcher with some of its pieces

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import base64
 import importlib
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -18,6 +20,7 @@ from conftest import SERVER_STAGES, Server
 from fastapi import FastAPI
 
 from common.engine import Engine
+from common.serve import app_of
 from common.settings import Settings
 
 ROUTES = [("/v1/embed", "inputs"), ("/v1/embeddings", "input")]
@@ -59,7 +62,11 @@ def norms(vectors: list[list[float]]) -> np.ndarray:
 # --- the stage module ----------------------------------------------------------------
 @pytest.mark.parametrize("stage", SERVER_STAGES)
 def test_stage_module_exposes_a_fastapi_app_with_the_contract_routes(stage: str) -> None:
-    app = importlib.import_module(f"{stage}.app").app
+    """``app.py`` holds the app, or (stage 5) the factory uvicorn calls (``common.serve``)."""
+    target, factory = app_of(stage)
+    module = importlib.import_module(f"{stage}.app")
+    app = module.create_app() if factory else module.app
+    assert target.endswith(":create_app" if factory else ":app")
     assert isinstance(app, FastAPI)
     paths = {getattr(r, "path", None) for r in app.routes}
     assert {"/v1/embed", "/v1/embeddings", "/v1/models", "/health", "/ready"} <= paths
@@ -329,3 +336,29 @@ def test_server_log_has_no_tracebacks(server: Server, client: httpx.Client) -> N
     client.get("/health")
     log = server.log()
     assert "Traceback" not in log and "unhandled error" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("stage", SERVER_STAGES)
+def test_importing_a_stage_starts_nothing(stage: str) -> None:
+    """Importing a stage's modules starts no thread, registers no exit hook, configures no
+    logging and builds at most its own app: what has a lifetime starts in the lifespan."""
+    probe = f"""
+import atexit, gc, logging, threading
+hooks = []
+atexit.register = lambda f, *a, **k: hooks.append(f)
+import fastapi
+built = []
+init = fastapi.FastAPI.__init__
+fastapi.FastAPI.__init__ = lambda self, *a, **k: (built.append(k.get("title")), init(self, *a, **k))[1]
+before = {{t.name for t in threading.enumerate()}}
+import importlib, pkgutil, {stage}
+for info in pkgutil.iter_modules({stage}.__path__):
+    importlib.import_module("{stage}." + info.name)
+after = {{t.name for t in threading.enumerate()}}
+handlers = {{n: logging.getLogger(n).handlers for n in ("embedserve", "uvicorn", "")}}
+print(sorted(after - before), hooks, built, handlers)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("[] [] "), out  # no new thread, no atexit hook
+    assert out.count("'stage") <= 1, out  # at most one app, its own
+    assert "Handler" not in out, out  # no logging handler installed

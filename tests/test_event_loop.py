@@ -138,7 +138,9 @@ def test_health_waits_only_on_the_naive_stage(stage: str, stage_server) -> None:
 
 
 # --- stage 2's pool, in process ----------------------------------------------------------
-POOL_STAGES = [s for s in SERVER_STAGES if hasattr(importlib.import_module(f"{s}.app"), "ThreadPoolBackend")]
+# The stage whose backend runs each call in a pool of its own (in its backend.py; a learner's, in
+# the exercise's app.py).
+POOL_STAGES = [s for s in SERVER_STAGES if s.endswith("stage2_threadpool")]
 
 
 class _GatedEngine:
@@ -172,7 +174,8 @@ async def test_the_pool_runs_as_many_calls_as_it_has_threads_until_closed(stage:
     """Stage 2's ``ThreadPoolBackend(engine, threads=1)``: one model call at a time (the second
     waits for the first's thread), and after ``close()`` the pool takes no more calls."""
     gated = _GatedEngine(engine)
-    backend = importlib.import_module(f"{stage}.app").ThreadPoolBackend(gated, 1)
+    module = f"{stage}.app" if stage.startswith("exercises.") else f"{stage}.backend"
+    backend = importlib.import_module(module).ThreadPoolBackend(gated, 1)
     ids = [t.ids for t in engine.tokenize(["a text for the pool"])]
     calls = [asyncio.ensure_future(backend.run_model(ids)) for _ in range(2)]
     try:

@@ -31,15 +31,21 @@ EXERCISES = {  # stage -> what the untouched starting file fails with
 PIECES = [
     ("common.engine", "Engine"),
     ("common.engine", "l2_normalize"),
-    ("stage1_naive.app", "NaiveBackend"),
-    ("stage2_threadpool.app", "ThreadPoolBackend"),
+    ("stage1_naive.backend", "NaiveBackend"),
+    ("stage2_threadpool.backend", "ThreadPoolBackend"),
     ("stage3_batching.batcher", "Batcher"),
     ("stage4_cache_backpressure.cache", "MemoryCache"),
     ("stage4_cache_backpressure.singleflight", "SingleFlight"),
     ("stage4_cache_backpressure.admission", "Admission"),
-    ("stage5_metrics.app", "MetricsBackend"),
+    ("stage5_metrics.backend", "MetricsBackend"),
 ]
-EXERCISE_MODULE = {"common.engine": "exercises.stage0_script.engine"}  # else exercises.<module>
+# else exercises.<module>; a stage's backend is written in the exercise's app.py, a server of its own
+EXERCISE_MODULE = {
+    "common.engine": "exercises.stage0_script.engine",
+    "stage1_naive.backend": "exercises.stage1_naive.app",
+    "stage2_threadpool.backend": "exercises.stage2_threadpool.app",
+    "stage5_metrics.backend": "exercises.stage5_metrics.app",
+}
 
 
 def _make_exercise(stage: int, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -33,8 +33,8 @@ from hypothesis import strategies as st
 
 from common.engine import Engine, TokenizedText, l2_normalize
 from common.settings import Settings
-from stage3_batching.app import RefinedBatcher
 from stage3_batching.batcher import Batcher, DeadlineExceeded
+from stage3_batching.refined import RefinedBatcher
 
 # `make test` runs a bounded number of examples; `make fuzz` sets FUZZ_EXAMPLES much higher.
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "60"))

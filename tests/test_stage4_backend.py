@@ -22,6 +22,7 @@ from common.api import EmbedJob, create_app
 from common.engine import Engine, TokenizedText
 from common.limits import APIError
 from common.settings import Settings
+from stage3_batching.backend import make_batcher
 
 CacheBackend = cache_backend()  # stage 4's; with EXERCISE=1 holding your pieces (exercises/stage4_...)
 
@@ -65,7 +66,8 @@ async def make(engine: Engine) -> AsyncIterator[Any]:
     async def factory(**settings: Any) -> tuple[CacheBackend, GatedEngine]:
         gated = GatedEngine(engine)
         # One model slot: these tests hold the gate to keep work queued behind one batch.
-        backend = CacheBackend(gated, Settings(**{"batch_concurrency": 1, **settings}))  # type: ignore[arg-type]
+        s = Settings(**{"batch_concurrency": 1, **settings})
+        backend = CacheBackend(gated, make_batcher(gated, s), s)  # type: ignore[arg-type]
         await backend.start()
         started.append((backend, gated))
         return backend, gated
@@ -402,7 +404,7 @@ async def test_drain_turns_readiness_503_and_still_serves(engine: Engine) -> Non
     backends: list[CacheBackend] = []
 
     def make_backend(eng: Engine, settings: Settings) -> CacheBackend:
-        backend = CacheBackend(eng, settings, on_drain=lambda: setattr(app.state, "draining", True))
+        backend = CacheBackend(eng, make_batcher(eng, settings), settings)
         backends.append(backend)
         return backend
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import yaml
 from exercise_pieces import metrics_backend
+from prometheus_client import generate_latest
 
 from benchmarks import metrics_reference as reference
 from common.backend import EmbedJob
@@ -22,7 +23,9 @@ from common.batch_stats import BatchRecord
 from common.engine import Engine
 from common.limits import APIError
 from common.settings import Settings
-from stage5_metrics import app as stage5
+from stage3_batching.backend import make_batcher
+from stage4_cache_backpressure.backend import CacheBackend
+from stage5_metrics import backend as stage5_backend
 from stage5_metrics.logs import (
     JsonFormatter,
     RequestRecord,
@@ -30,6 +33,8 @@ from stage5_metrics.logs import (
     configure_logging,
     current_record,
     log_request,
+    start_logging,
+    stop_logging,
 )
 from stage5_metrics.metrics import Metrics
 from stage5_metrics.savings import CostModel
@@ -148,7 +153,7 @@ def test_the_earlier_stages_counts_are_exported_by_name() -> None:
     metrics.earlier_stages.source = lambda: StageCounts(
         queue_depth=5, tier="medium", rejected={"overload": 2}
     )
-    text = metrics.exposition().decode()
+    text = generate_latest(metrics.registry).decode()
     assert "embedserve_queue_depth_texts 5.0" in text
     assert 'embedserve_load_tier{tier="medium"} 1.0' in text
     assert 'embedserve_rejected_requests_total{reason="overload"} 2.0' in text
@@ -194,14 +199,16 @@ def test_log_formats() -> None:
 
 @pytest.fixture
 def log_stream() -> Iterator[io.StringIO]:
-    """The request log's handler, writing to a string for the test (the settings' defaults after)."""
+    """The request log's handler, writing to a string for the test, its thread started as the
+    lifespan starts it (stopped after, as the lifespan's end stops it)."""
     configure_logging(Settings())
     queued = logging.getLogger("embedserve").handlers[0]
     stream = io.StringIO()
     old = queued.target.setStream(stream)  # type: ignore[attr-defined]
+    start_logging()
     yield stream
+    stop_logging()
     queued.target.setStream(old)  # type: ignore[attr-defined]
-    configure_logging(Settings())
 
 
 def test_request_lines_in_both_formats(log_stream: io.StringIO) -> None:
@@ -282,19 +289,22 @@ MetricsBackend = metrics_backend()  # stage 5's; with EXERCISE=1 yours (exercise
 
 
 @pytest.fixture
-def backend_of(engine: Engine) -> Iterator[Callable[[Metrics], stage5.MetricsBackend]]:
+def backend_of(engine: Engine) -> Iterator[Callable[[Metrics], stage5_backend.MetricsBackend]]:
     """A stage 5 backend on the real engine, counting into ``metrics`` (not started). Its start
     chains SIGTERM and SIGINT handlers, as in the server; the test's own are put back after."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    settings = Settings(cache_url=None)
     yield lambda metrics: MetricsBackend(
-        engine, Settings(cache_url=None), metrics, Window(metrics), lambda: None
+        CacheBackend(engine, make_batcher(engine, settings), settings, drain_on_signal=True),
+        metrics,
+        Window(metrics),
     )
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
 
 
 def test_the_backend_counts_each_batch_by_its_on_batch_hook(
-    backend_of: Callable[[Metrics], stage5.MetricsBackend],
+    backend_of: Callable[[Metrics], stage5_backend.MetricsBackend],
 ) -> None:
     """``on_batch``: stage 3's batcher calls it after each model call with the batch's record, and
     the batch is counted once: by tier, its size, its padded tokens and padding, its model time
@@ -313,7 +323,7 @@ def test_the_backend_counts_each_batch_by_its_on_batch_hook(
 
 
 async def test_the_backend_counts_each_request_and_fills_its_log_record(
-    backend_of: Callable[[Metrics], stage5.MetricsBackend], engine: Engine
+    backend_of: Callable[[Metrics], stage5_backend.MetricsBackend], engine: Engine
 ) -> None:
     """``embed``: stage 4's answer, counted once in the registry from its typed result (texts,
     tokens, queue time when a text reached the model, the model time its cache hits saved), and

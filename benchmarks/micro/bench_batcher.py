@@ -10,7 +10,7 @@ import pytest
 
 from common.engine import Engine
 from common.settings import Settings
-from stage3_batching.app import RefinedBatcher
+from stage3_batching.refined import RefinedBatcher
 
 
 def _trivial_model(ids: Sequence[np.ndarray]) -> np.ndarray:

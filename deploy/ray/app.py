@@ -1,6 +1,6 @@
 """Stage 5 as a Ray Serve application: N replicas, each the whole stage 5 server.
 
-A replica builds ``stage5_metrics.app.build_app(settings)``, so everything of stage 5 stays
+A replica builds ``stage5_metrics.app.create_app(settings)``, so everything of stage 5 stays
 per replica (batcher, in-process cache, admission, deadlines, metrics); the Redis tier
 (CACHE_URL) is shared by all of them. Ray Serve adds what one process cannot: replicas on
 several nodes behind one HTTP proxy, restarts of dead replicas, autoscaling on queue length.
@@ -19,11 +19,11 @@ serves every replica's numbers to Prometheus.
 
 # No `from __future__ import annotations` here: Serve reads the builder's annotation as a class.
 import asyncio
-import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, Field
 from ray import serve
 from ray.serve.config import BackpressureConfig
@@ -39,9 +39,9 @@ METRICS_PERIOD_S = 2.0  # how often a replica hands its registry to Ray (Ray's a
 # --8<-- [start:deployment]
 def replica_app() -> FastAPI:
     """Built in each replica when it starts (Serve calls it there): stage 5, from the replica's settings."""
-    from stage5_metrics.app import build_app  # imported in the replica, never on the driver
+    from stage5_metrics.app import create_app  # imported in the replica, never on the driver
 
-    app = build_app(get_settings())
+    app = create_app(get_settings())
     app.add_middleware(ServedBy, name=replica_name())
     return app
 
@@ -50,8 +50,12 @@ class MetricsToRay:
     """What an ingress replica adds (both designs): stage 5's registry copied into Ray's metrics."""
 
     async def __init__(self, *bound: Any) -> None:  # type: ignore[misc]  # Ray's idiom: an async constructor
-        # `self.app` is Serve's: the app it built from the ingress's builder (after this constructor)
-        self.metrics = asyncio.create_task(copy_metrics_to_ray(lambda: self.app))  # type: ignore[attr-defined]
+        self.metrics = asyncio.create_task(copy_metrics_to_ray(self._registry))
+
+    def _registry(self) -> CollectorRegistry | None:
+        """Stage 5's registry, once Serve has built the app (``self.app``, after this constructor)."""
+        app = getattr(self, "app", None)
+        return None if app is None else app.state.metrics.registry
 
     async def __del__(self) -> None:
         self.metrics.cancel()
@@ -150,48 +154,29 @@ class ServedBy:
 
 
 # --8<-- [start:metrics]
-async def copy_metrics_to_ray(app: Any) -> None:
-    """Every few seconds, stage 5's own ``/metrics`` (read in process) set into Ray gauges of the
-    same names. Ray's agent exports them on the node's metrics port as ``ray_<name>``, tagged with
+async def copy_metrics_to_ray(registry: Callable[[], CollectorRegistry | None]) -> None:
+    """Every few seconds, stage 5's registry (read in process) set into Ray gauges of the same
+    names. Ray's agent exports them on the node's metrics port as ``ray_<name>``, tagged with
     ``deployment`` and ``replica``; deploy/ray/prometheus.yml drops the ``ray_`` again, so stage 5's
     recording rules read them unchanged (rate() and histogram_quantile() need no counter type)."""
     gauges: dict[str, Gauge] = {}
     while True:
         await asyncio.sleep(METRICS_PERIOD_S)
-        with contextlib.suppress(AttributeError):  # `app` not built yet: Serve builds it after __init__
-            text = await _get(app(), "/metrics")
-            for family in text_string_to_metric_families(text):
-                if not family.name.startswith("embedserve_"):
-                    continue  # process_* and python_*: Ray exports its own for every worker
-                for sample in family.samples:
-                    gauge = gauges.get(sample.name)
-                    if gauge is None:
-                        gauge = gauges[sample.name] = Gauge(
-                            sample.name,
-                            description=family.documentation,
-                            tag_keys=tuple(sample.labels),  # type: ignore[arg-type]  # any length
-                        )
-                    gauge.set(sample.value, tags=sample.labels)
-
-
-async def _get(app: ASGIApp, path: str) -> str:
-    """One GET through the app itself, in this process (no socket, no client library)."""
-    body: list[bytes] = []
-
-    async def receive() -> Message:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: Message) -> None:
-        if message["type"] == "http.response.body":
-            body.append(message.get("body", b""))
-
-    scope: Scope = {
-        "type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "query_string": b"",
-        "headers": [], "scheme": "http", "http_version": "1.1", "server": None, "client": None,
-        "root_path": "",
-    }  # fmt: skip
-    await app(scope, receive, send)
-    return b"".join(body).decode()
+        found = registry()
+        if found is None:  # the app is not built yet
+            continue
+        for family in found.collect():
+            if not family.name.startswith("embedserve_"):
+                continue  # process_* and python_*: Ray exports its own for every worker
+            for sample in family.samples:
+                gauge = gauges.get(sample.name)
+                if gauge is None:
+                    gauge = gauges[sample.name] = Gauge(
+                        sample.name,
+                        description=family.documentation,
+                        tag_keys=tuple(sample.labels),  # type: ignore[arg-type]  # any length
+                    )
+                gauge.set(sample.value, tags=sample.labels)
 
 
 # --8<-- [end:metrics]

@@ -18,10 +18,8 @@ in it (its node crashed), their callers get 503 with Retry-After: embedding is i
 
 # No `from __future__ import annotations` here: Serve reads the builder's annotation as a class.
 import asyncio
-import functools
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 from fastapi import FastAPI
@@ -30,11 +28,10 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from common.engine import Engine, TokenizedText
-from common.limits import APIError
+from common.limits import APIError, DeadlineExceeded
 from common.settings import Settings, get_settings
 from deploy.ray.app import ClusterArgs, MetricsToRay, ServedBy, deployment_options, replica_name
-from stage3_batching.batcher import Batcher, BatchOutcome, DeadlineExceeded
-from stage5_metrics.app import MetricsBackend
+from stage3_batching.batcher import Batcher, BatchOutcome
 
 Reply = tuple[np.ndarray, int, float]  # a text's vector, its batch's size, that batch's model ms
 
@@ -99,7 +96,10 @@ class ModelHandle(Batcher):
             for call in calls:
                 call.cancel()  # texts still queued in the model replica never run
             if isinstance(exc, TimeoutError):
-                raise DeadlineExceeded((time.perf_counter() - started) * 1e3) from None
+                waited_ms = (time.perf_counter() - started) * 1e3
+                raise DeadlineExceeded(
+                    f"request deadline passed after {waited_ms:.0f} ms at the model"
+                ) from None
             if isinstance(exc, RayActorError):
                 message = "the model replica serving this request was lost; retry (embedding is idempotent)"
                 raise APIError(503, message, headers={"Retry-After": "1"}) from exc
@@ -113,14 +113,6 @@ class ModelHandle(Batcher):
         return BatchOutcome(vectors, max(0.0, waited_ms - model_ms), model_ms, [size for size, _ in batches])
 
 
-class IngressBackend(MetricsBackend):
-    """Stage 5's backend (stage 4's steps, stage 5's counts), the model deployment its batcher."""
-
-    def __init__(self, model: DeploymentHandle, *args: Any) -> None:
-        super().__init__(*args)
-        self.batcher = ModelHandle(model, self.settings)  # NEW: the model runs in its own deployment
-
-
 # --8<-- [end:handle]
 
 
@@ -128,10 +120,16 @@ class IngressBackend(MetricsBackend):
 def ingress_app() -> FastAPI:
     """Built in each ingress replica when it starts: stage 5 around a handle to the model deployment
     (found by name, as Serve's own builder example does)."""
-    from stage5_metrics.app import build_app
+    from stage4_cache_backpressure.backend import CacheBackend  # imported in the replica, never on
+    from stage5_metrics.app import create_app  # the driver
 
     model = serve.get_deployment_handle("model", app_name=serve.get_replica_context().app_name)
-    app = build_app(get_settings(), functools.partial(IngressBackend, model))
+
+    def stage4(engine: Engine, settings: Settings) -> CacheBackend:
+        # NEW: stage 4's steps around a handle to the model deployment, in place of stage 3's batcher
+        return CacheBackend(engine, ModelHandle(model, settings), settings, drain_on_signal=True)
+
+    app = create_app(get_settings(), stage4_backend=stage4)
     app.add_middleware(ServedBy, name=replica_name())
     return app
 

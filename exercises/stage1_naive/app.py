@@ -6,7 +6,7 @@ limits, errors, headers, JSON) and hands each valid request to the stage's *back
 ``EmbedJob``: the texts and the options ``normalize`` and ``truncate``. Write the backend's
 ``embed``, the one thing stage 1 decides (chapter: docs/stage1.md#the-code).
 
-Your ``NaiveBackend`` extends the stage's own (``stage1_naive/app.py``), which gives
+Your ``NaiveBackend`` extends the stage's own (``stage1_naive/backend.py``), which gives
 ``__init__`` (``self.engine``) and ``run_model`` (the model call, timed, on the event loop).
 Write only ``embed``.
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 from common.api import EmbedJob, EmbedResult, create_app, tokenize  # noqa: F401 (tokenize: yours to call)
 from common.engine import Engine, l2_normalize  # noqa: F401 (l2_normalize: yours to call)
 from common.settings import Settings
-from stage1_naive import app as stage
+from stage1_naive import backend as stage
 
 
 class NaiveBackend(stage.NaiveBackend):

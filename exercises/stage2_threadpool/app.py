@@ -1,6 +1,6 @@
 """Exercise for stage 2: take the model call off the event loop.
 
-Stage 1's backend (stage1_naive/app.py) calls the model inside ``async def run_model``. While
+Stage 1's backend (stage1_naive/backend.py) calls the model inside ``async def run_model``. While
 the model runs, the event loop runs nothing else: no other request is read, not even
 ``/health``. Write ``ThreadPoolBackend`` so the model runs in a pool of ``threads`` worker
 threads and the event loop stays free while it does.
@@ -29,7 +29,7 @@ import numpy as np
 from common.api import create_app
 from common.engine import Engine
 from common.settings import Settings
-from stage1_naive.app import NaiveBackend, timed_run  # noqa: F401 (given: the model call, timed)
+from stage1_naive.backend import NaiveBackend, timed_run  # noqa: F401 (given: the model call, timed)
 
 
 class ThreadPoolBackend(NaiveBackend):

@@ -12,7 +12,7 @@ Your class extends the stage's ``SingleFlight`` (``stage4_cache_backpressure/sin
 which gives ``__init__`` (``self._flights``), ``len`` and ``leading``: the backend computes inside
 it, and whatever stops the leader early hands an error to the followers through your ``fail``, so
 no follower waits forever. Write ``join``, ``resolve`` and ``fail``. The backend
-(``stage4_cache_backpressure/app.py``, ``_embed`` and ``_follow``) shows how the three are used.
+(``stage4_cache_backpressure/backend.py``, ``_embed`` and ``_follow``) shows how the three are used.
 
 Check your work (stage 4's backend built with your three pieces; the section "single-flight"
 of ``tests/test_stage4_backend.py`` is the one about this part):

@@ -12,12 +12,11 @@ fills one Prometheus registry three ways; you write two of them, in ``MetricsBac
 
 Chapter: docs/stage5.md#the-idea and docs/stage5.md#the-code; the lab notes: docs/lab/stage5.md.
 
-Your class extends the stage's ``MetricsBackend`` (``stage5_metrics/app.py``), which gives the
-rest: stage 4's backend underneath, the registry (``self.metrics``), the window, the price of a
-model call measured at start (``self.cost``, a ``CostModel``, ``savings.py``) and the counts read
-when collected (``stage_counts``). Stage 4's answer is ``await CacheBackend.embed(self, job)``:
-``super().embed`` would be stage 5's own ``embed``, the solution, which counts already. The app
-at the bottom is stage 5's, built with your backend, so this file is a server too:
+Your class extends the stage's ``MetricsBackend`` (``stage5_metrics/backend.py``), which gives the
+rest: stage 4's backend it wraps (``self.inner``), the registry (``self.metrics``), the window, the
+price of a model call measured at start (``self.cost``, a ``CostModel``, ``savings.py``) and the
+counts read when collected (``stage_counts``). Stage 4's answer is ``await self.inner.embed(job)``.
+The app factory at the bottom is stage 5's, with your backend, so this file is a server too:
 ``python -m common.serve exercises.stage5_metrics``.
 
 Check your work (stage 5's own tests, run against this file):
@@ -41,16 +40,18 @@ Hints:
 
 from __future__ import annotations
 
+from fastapi import FastAPI
+
 from common.api import EmbedJob, EmbedResult
 from stage3_batching.batcher import BatchRecord
-from stage4_cache_backpressure.app import CacheBackend  # noqa: F401 (given: stage 4's backend)
-from stage5_metrics import app as stage
+from stage5_metrics import app as stage5
+from stage5_metrics import backend as stage
 from stage5_metrics.logs import current_record  # noqa: F401 (given: this request's log record)
 
 
 class MetricsBackend(stage.MetricsBackend):
     async def embed(self, job: EmbedJob) -> EmbedResult:
-        """Stage 4's answer (``await CacheBackend.embed(self, job)``), counted once per request.
+        """Stage 4's answer (``await self.inner.embed(job)``), counted once per request.
 
         TODO, in this order:
         1. the log record first gets the text count, so a request refused with 503 or 504 is
@@ -79,4 +80,5 @@ class MetricsBackend(stage.MetricsBackend):
         )
 
 
-app = stage.build_app(backend=MetricsBackend)  # stage 5's app, with your backend
+def create_app() -> FastAPI:  # uvicorn --factory, as stage 5's
+    return stage5.create_app(backend=MetricsBackend)  # stage 5's app, with your backend
