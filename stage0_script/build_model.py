@@ -20,10 +20,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import shutil
 import sys
 import tempfile
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -148,6 +152,21 @@ def choose_default(report: dict[str, Any]) -> tuple[str, str]:
 # --8<-- [end:default]
 
 
+@contextmanager
+def _step(line: str) -> Iterator[None]:
+    """One line for a step of the build, and the libraries' own chatter off meanwhile: ONNX
+    Runtime's advice to pre-process (a warning on every call), torch's tracer warnings,
+    transformers' deprecations. An error still raises."""
+    print(line, flush=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            yield
+        finally:
+            logging.disable(logging.NOTSET)
+
+
 def build(source: str, name: str, out: Path, stsb: Path | None, force: bool) -> int:
     max_tokens, pooling = model_facts(source)
     options = {"stsb": bool(stsb), "max_tokens": max_tokens}
@@ -159,20 +178,20 @@ def build(source: str, name: str, out: Path, stsb: Path | None, force: bool) -> 
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"exporting {source} to ONNX fp32 ...", flush=True)
-        exported = export_fp32(source, Path(tmp))
+        with _step(f"exporting {source} to ONNX fp32 ..."):
+            exported = export_fp32(source, Path(tmp))
         (out / "fp32").mkdir(exist_ok=True)
         shutil.copyfile(exported / "model.onnx", out / "fp32" / "model.onnx")
         shutil.copyfile(exported / "tokenizer.json", out / "tokenizer.json")
         with (exported / "config.json").open() as fh:
             dimensions = int(json.load(fh)["hidden_size"])
     fp32 = out / "fp32" / "model.onnx"
-    print("quantizing: dynamic per-channel INT8 ...", flush=True)
-    quantize_dynamic(fp32, out / "int8-dynamic" / "model.onnx")
-    print(f"quantizing: static per-channel INT8 ({STATIC_RECIPE.describe()}) ...", flush=True)
-    quantize_static(fp32, out / "int8-static" / "model.onnx", out / "tokenizer.json", max_tokens)
-    print("quantizing: row-wise INT8 (one activation scale per token) ...", flush=True)
-    quantize_rowwise(fp32, out / "int8-rowwise" / "model.onnx")
+    with _step("quantizing: dynamic per-channel INT8 ..."):
+        quantize_dynamic(fp32, out / "int8-dynamic" / "model.onnx")
+    with _step(f"quantizing: static per-channel INT8 ({STATIC_RECIPE.describe()}) ..."):
+        quantize_static(fp32, out / "int8-static" / "model.onnx", out / "tokenizer.json", max_tokens)
+    with _step("quantizing: row-wise INT8 (one activation scale per token) ..."):
+        quantize_rowwise(fp32, out / "int8-rowwise" / "model.onnx")
 
     files = ["fp32/model.onnx", *(f"{v}/model.onnx" for v in INT8_VARIANTS), "tokenizer.json"]
     manifest: dict[str, Any] = {
@@ -199,8 +218,8 @@ def build(source: str, name: str, out: Path, stsb: Path | None, force: bool) -> 
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))  # engines read it below
 
-    print("checking quality against fp32 ...", flush=True)
-    report = quality(out, list(INT8_VARIANTS), stsb)
+    with _step("checking quality against fp32 ..."):
+        report = quality(out, list(INT8_VARIANTS), stsb)
     manifest["quality"] = report
     default, why = choose_default(report)
     manifest["int8_default"] = default

@@ -7,10 +7,13 @@ activation ranges on project sentences first, and the recipe names every choice 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -55,9 +58,12 @@ STATIC_RECIPE = StaticRecipe(
 
 
 class _CalibrationReader:
-    """Feeds tokenized calibration sentences, one at a time, to ONNX Runtime's calibrator."""
+    """Feeds tokenized calibration sentences, one at a time, to ONNX Runtime's calibrator
+    (``progress``: a tqdm bar advanced a sentence at a time)."""
 
-    def __init__(self, tokenizer_path: Path, max_tokens: int, texts: list[str], pad: bool) -> None:
+    def __init__(
+        self, tokenizer_path: Path, max_tokens: int, texts: list[str], pad: bool, progress: Any = None
+    ) -> None:
         from tokenizers import Tokenizer
 
         from common.engine import pad_batch
@@ -80,6 +86,7 @@ class _CalibrationReader:
             for i, m in zip(rows_ids, rows_mask, strict=True)
         ]
         self._iter = iter(self._feeds)
+        self._progress = progress
 
     def __len__(self) -> int:
         return len(self._feeds)
@@ -88,7 +95,10 @@ class _CalibrationReader:
         self._iter = iter(self._feeds[start_index:end_index])
 
     def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self._iter, None)
+        feed = next(self._iter, None)
+        if feed is not None and self._progress is not None:
+            self._progress.update(1)
+        return feed
 
     def rewind(self) -> None:
         self._iter = iter(self._feeds)
@@ -120,9 +130,15 @@ def quantize_static(
     """
     # Calibration texts: a seed the quality gate does not use, every length bucket.
     texts = corpus.texts(recipe.calibration_texts, seed=7, kind="mixed", unique=False)
-    reader = _CalibrationReader(tokenizer_path, max_tokens, texts, pad=recipe.pad_calibration)
+    from tqdm import tqdm  # transformers' own progress bars: the build extra has it
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="smooth-") as tmp:
+    # A bar on a terminal only (disable=None): a build log gets the step's line, not its frames.
+    with (
+        tqdm(total=len(texts), desc="  calibrating", unit="text", leave=False, disable=None) as bar,
+        tempfile.TemporaryDirectory(prefix="smooth-") as tmp,
+    ):
+        reader = _CalibrationReader(tokenizer_path, max_tokens, texts, recipe.pad_calibration, bar)
         source = fp32
         if recipe.smooth_alpha is not None:
             from stage0_script.smooth import smooth_matmul_inputs
@@ -143,30 +159,33 @@ def _ort_quantize_static(
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
     from onnxruntime.quantization import quantize_static as ort_quantize_static
 
-    ort_quantize_static(
-        fp32,
-        out,
-        reader,
-        quant_format=getattr(QuantFormat, recipe.quant_format),
-        op_types_to_quantize=["MatMul"],
-        per_channel=True,
-        activation_type=getattr(QuantType, recipe.activations),
-        weight_type=QuantType.QInt8,
-        nodes_to_exclude=excluded_nodes(fp32, recipe.exclude),
-        calibrate_method=getattr(CalibrationMethod, recipe.calibration),
-        extra_options={
-            "CalibPercentile": recipe.percentile,
-            "ActivationSymmetric": recipe.activations == "QInt8",
-            **(
-                {}
-                if recipe.symmetric_ranges is None
-                else {"CalibTensorRangeSymmetric": recipe.symmetric_ranges}
-            ),
-            # One text per calibration pass when unpadded (ORT's name says MinMax; it serves all).
-            **({} if recipe.pad_calibration else {"CalibStridedMinMax": 1}),
-        },
-        calibration_cache_path=calibration_cache,
-    )
+    # ORT's calibrator prints a line for every pass (one text a pass, unpadded) and its settings
+    # after; the reader's progress bar says it once.
+    with contextlib.redirect_stdout(io.StringIO()):
+        ort_quantize_static(
+            fp32,
+            out,
+            reader,
+            quant_format=getattr(QuantFormat, recipe.quant_format),
+            op_types_to_quantize=["MatMul"],
+            per_channel=True,
+            activation_type=getattr(QuantType, recipe.activations),
+            weight_type=QuantType.QInt8,
+            nodes_to_exclude=excluded_nodes(fp32, recipe.exclude),
+            calibrate_method=getattr(CalibrationMethod, recipe.calibration),
+            extra_options={
+                "CalibPercentile": recipe.percentile,
+                "ActivationSymmetric": recipe.activations == "QInt8",
+                **(
+                    {}
+                    if recipe.symmetric_ranges is None
+                    else {"CalibTensorRangeSymmetric": recipe.symmetric_ranges}
+                ),
+                # One text per calibration pass when unpadded (ORT's name says MinMax; it serves all).
+                **({} if recipe.pad_calibration else {"CalibStridedMinMax": 1}),
+            },
+            calibration_cache_path=calibration_cache,
+        )
 
 
 # --8<-- [end:static]
