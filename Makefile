@@ -103,6 +103,9 @@ EXERCISE_STAGE_2 := stage2_threadpool
 # Stage 3: the batcher tests of the textbook Batcher, not those of the refinements (EXERCISE=1: the
 # tests take your Batcher, tests/exercise_pieces.py). The first sends one request through every
 # method you write and names the first one still to write. EXERCISE_ONLY_N: pytest -k, which of them.
+# A stuck test (a loop that never awaits, a future never resolved) stops after this many seconds,
+# named by pytest-timeout, instead of the suite's 5 minutes.
+EXERCISE_TIMEOUT_S ?= 60
 EXERCISE_TESTS_3 := tests/test_batcher.py
 EXERCISE_ONLY_3 := (textbook or Batcher-False or Batcher-True or False-Batcher) and not Refined and not Isolated
 EXERCISE_STAGE_3 := stage3_batching
@@ -121,7 +124,8 @@ EXERCISE_STAGE_5 := stage5_metrics
 exercise: setup
 	@test -n "$(EXERCISE_TESTS_$(STAGE))" || (echo "STAGE=$(STAGE): exercises exist for stages 0 to 5" >&2; exit 2)
 	STAGES=$(if $(SOLUTION),,exercises.)$(EXERCISE_STAGE_$(STAGE)) $(if $(SOLUTION),,EXERCISE=1) \
-		$(PY) -m pytest -p no:cacheprovider -q $(if $(SOLUTION),,-x) $(EXERCISE_TESTS_$(STAGE)) \
+		$(PY) -m pytest -p no:cacheprovider -q $(if $(SOLUTION),,-x) --timeout=$(EXERCISE_TIMEOUT_S) \
+		$(EXERCISE_TESTS_$(STAGE)) \
 		$(if $(EXERCISE_ONLY_$(STAGE)),-k "$(EXERCISE_ONLY_$(STAGE))") $(ARGS)
 
 #> measure: the evidence the chapters quote (docs/benchmarking.md)

@@ -8,7 +8,7 @@ What the build made (its manifest: sizes, the INT8 mode served as `int8` and why
 three INT8 files side by side (quality against fp32, size, one-thread speed, and the largest
 difference between a text's vector alone and in a batch); the wall-clock baseline of
 ``python -m stage0_script --bench``; and the quantization study of static recipes. The study and
-the measurements are stage 0's own (``stage0_script/quant_study.py``, which measures the built
+the measurements are stage 0's own (``benchmarks/quant_study.py``, which measures the built
 files beside its recipes, and ``stage0_script/__main__.py``); this module stamps and renders them.
 """
 
@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import quant_study
 from loadtests import evidence
 from loadtests.tables import num, page, table
-from stage0_script import quant_study
 from stage0_script.__main__ import measure
 from stage0_script.quality import INVARIANCE_ATOL
 

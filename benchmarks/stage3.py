@@ -47,7 +47,7 @@ from loadtests.load import settle, wrk
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, table
 from stage3_batching.batcher import Batcher, Model
-from stage3_batching.refined import RefinedBatcher
+from stage3_batching.refined import refined
 
 S2, S3 = "stage2_threadpool", "stage3_batching"
 # name: (stage, settings, connections). "MEDIUM / HIGH" are the tiers' windows in ms; 0 / 0 is the default.
@@ -156,8 +156,8 @@ def _stand_in(ids: list[np.ndarray]) -> np.ndarray:
 
 
 def batcher_with(*refinements: str) -> Callable[[Model, Settings], Batcher]:
-    """The textbook batcher with ``refinements`` (``RefinedBatcher`` with the others left out)."""
-    return partial(RefinedBatcher, **{r: r in refinements for r in REFINEMENTS}) if refinements else Batcher
+    """The textbook batcher with ``refinements`` (``refined`` with the others left out)."""
+    return partial(refined, **{r: r in refinements for r in REFINEMENTS}) if refinements else Batcher
 
 
 async def burst(kind: Callable[[Model, Settings], Batcher], model: Model, tokens: list[TokenizedText],
@@ -196,7 +196,7 @@ async def refinements(rounds: int, n: int = 256) -> dict[str, Any]:
     steps = {f"{i}. + {NAMES[REFINEMENTS[i - 1]]}" if i else "0. textbook": batcher_with(*REFINEMENTS[:i])
              for i in range(len(REFINEMENTS) + 1)}  # fmt: skip
     timed = {**{name: (kind, settings) for name, kind in steps.items()},
-             **{p: (RefinedBatcher, Settings(call_overhead_tokens=p)) for p in PRICES}}  # fmt: skip
+             **{p: (refined, Settings(call_overhead_tokens=p)) for p in PRICES}}  # fmt: skip
     runs: dict[str | int, list[dict[str, Any]]] = {key: [] for key in timed}
     for _ in range(rounds):
         for key, (kind, s) in timed.items():

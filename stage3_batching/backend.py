@@ -13,7 +13,7 @@ from common.engine import Engine, l2_normalize
 from common.limits import APIError, model_failed
 from common.settings import Settings
 from stage3_batching.batcher import Batcher
-from stage3_batching.refined import RefinedBatcher
+from stage3_batching.refined import refined
 
 
 # --8<-- [start:backend]
@@ -55,8 +55,9 @@ class BatchingBackend:
 
 def make_batcher(engine: Engine, settings: Settings) -> Batcher:
     """BATCHER=refined (the default): the batcher with the chapter's refinements; textbook: without."""
-    kind = RefinedBatcher if settings.batcher == "refined" else Batcher
-    return kind(engine.run, settings)
+    if settings.batcher == "refined":
+        return refined(engine.run, settings)
+    return Batcher(engine.run, settings)
 
 
 def make_backend(engine: Engine, settings: Settings) -> BatchingBackend:

@@ -5,8 +5,12 @@ for a first text, then up to BATCH_WINDOW_MS (from the oldest text's arrival) fo
 takes the oldest texts that fit MAX_BATCH_SIZE and MAX_BATCH_TOKENS, and runs them in an executor
 thread, BATCH_CONCURRENCY batches side by side. Each caller gets its own rows; if the model
 raises, every caller of that batch gets the error; a caller that is gone (cancelled, past its
-deadline) is dropped before the model. Ray Serve's ``batching.py`` has the same shape. The
-server runs it with the chapter's refinements (``refined.py``).
+deadline) is dropped before the model. Ray Serve's ``batching.py`` has the same shape.
+
+Five points of it are small policies, each in its textbook form unless ``refined.py`` passes a
+refinement: how long a batch waits (``window``), which texts it takes (``Oldest``), how many
+batches the model slots get and how big (``Slots``), how a batch runs as model calls (``split``)
+and what a failed call runs again (``retry``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,101 +29,97 @@ from common.batch_stats import BatcherStats, BatchRecord
 from common.engine import TokenizedText
 from common.limits import DeadlineExceeded, NotReady
 from common.settings import Settings
+from stage3_batching.pending import BatchOutcome, Computed, PendingRequest, QueuedText, fits
+
+__all__ = ["BatchOutcome", "BatchRecord", "Batcher", "Computed", "Model", "Oldest", "QueuedText",
+           "Slots", "fits"]  # fmt: skip
 
 log = logging.getLogger("embedserve.batcher")
 Model = Callable[[list[np.ndarray]], np.ndarray]  # token ids of each text -> one vector each
 
 
-@dataclass(slots=True)
-class BatchOutcome:
-    """What ``submit`` returns: raw mean-pooled vectors (not normalized) in the caller's order."""
-
-    vectors: np.ndarray
-    queue_ms: float  # longest wait of the caller's texts
-    inference_ms: float  # from the start of the caller's first batch to the end of its last
-    batch_sizes: list[int]  # in the order the batches formed
-
-
-# --8<-- [start:pending]
-@dataclass(slots=True, eq=False)
-class PendingRequest:
-    """One caller: one future for all its texts, and the answer as the batches fill it in."""
-
-    future: asyncio.Future[BatchOutcome]
-    left: int  # texts not computed yet
-    deadline: float | None  # time.monotonic()
-    enqueued: float = field(default_factory=time.perf_counter)
-    taken: int = 0  # texts taken into a batch: past that point a deadline lets them finish
-    vectors: np.ndarray | None = None
-    queue_ms: float = 0.0
-    batches: list[BatchRecord] = field(default_factory=list)  # the caller's, in the order they ended
-
-    def deliver(self, index: int, vector: np.ndarray, batch: BatchRecord, queue_ms: float) -> None:
-        """Text ``index``'s vector, computed in ``batch``; the last one resolves the future."""
-        if self.future.done():  # cancelled, expired, or failed in another batch meanwhile
-            return
-        if self.vectors is None:
-            self.vectors = np.empty((self.left, vector.shape[0]), np.float32)
-        self.vectors[index] = vector
-        self.left -= 1
-        self.queue_ms = max(self.queue_ms, queue_ms)
-        if not self.batches or self.batches[-1] is not batch:  # the caller's first text in this batch
-            self.batches.append(batch)
-        if self.left == 0:
-            # Side by side, a later batch can end first: the sizes go in the order the batches
-            # formed, and the model time from the first start to the last end (they overlap).
-            batches = sorted(self.batches, key=lambda b: b.started)
-            model_ms = max(b.started * 1e3 + b.inference_ms for b in batches) - batches[0].started * 1e3
-            outcome = BatchOutcome(self.vectors, self.queue_ms, model_ms, [b.size for b in batches])
-            self.future.set_result(outcome)
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(exc)
+# --8<-- [start:policies]
+# The policies' shapes: a queue depth -> (its load tier, how long a batch may wait for more texts,
+# from its oldest text's arrival); a batch -> its rows, one list per model call; a failed call's
+# rows -> the parts to run again.
+Window = Callable[[int], tuple[str, float]]
+Split = Callable[[list[QueuedText]], list[list[int]]]
+Retry = Callable[[list[int]], list[list[int]]]
+Gone = Callable[[QueuedText], bool]  # whether a queued text's caller has gone (``Batcher._gone``)
 
 
-@dataclass(slots=True, eq=False)
-class QueuedText:
-    """One text in the queue: its caller, its place in the caller's list, its token ids."""
+class Slots:
+    """BATCH_CONCURRENCY batches in the model slots at once, each up to MAX_BATCH_SIZE texts
+    (``refined.BusySlots`` hands one more over, and shares the work out)."""
 
-    req: PendingRequest
-    index: int
-    ids: np.ndarray
-    n_tokens: int
+    ahead = 0  # batches handed over beyond the slots, waiting for one
 
+    def __init__(self, settings: Settings) -> None:
+        self.count, self.max_size = settings.batch_concurrency, settings.max_batch_size
 
-@dataclass(slots=True)
-class Computed:
-    """One batch's result, filled in by the model thread: vectors by row, errors by row."""
-
-    n: int
-    padded_tokens: int = 0  # rows x longest row, summed over the calls
-    calls: int = 0
-    vectors: np.ndarray | None = None
-    errors: dict[int, Exception] = field(default_factory=dict)
-    slot: str = ""  # the model slot (executor thread) that ran it
-    model_s: float = 0.0  # how long that slot was busy with it
-
-    def put(self, rows: list[int], vectors: np.ndarray) -> None:
-        if self.vectors is None:
-            self.vectors = np.zeros((self.n, vectors.shape[1]), np.float32)
-        self.vectors[rows] = vectors
+    def limit(self, work: int, window_s: float) -> int:
+        """Most texts the next batch may take, with ``work`` texts queued and in the model."""
+        return self.max_size
 
 
-def fits(n: int, longest: int, s: Settings) -> bool:
-    """Whether ``n`` texts padded to ``longest`` tokens fit one batch."""
-    return n <= s.max_batch_size and n * longest <= s.max_batch_tokens
+# --8<-- [end:policies]
 
 
-# --8<-- [end:pending]
+# --8<-- [start:take]
+class Oldest:
+    """Which texts a batch takes: the oldest that fit the limit (MAX_BATCH_SIZE or less) and
+    MAX_BATCH_TOKENS (``lengths.GroupByLength`` sorts rounds by length)."""
+
+    held = 0  # texts taken out of the queue, not in a batch yet: none here
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def take(self, queue: deque[QueuedText], gone: Gone, limit: int) -> list[QueuedText]:
+        batch: list[QueuedText] = []
+        longest = 0
+        while queue:
+            text = queue[0]
+            if gone(text):
+                queue.popleft()
+                continue
+            if len(batch) >= limit and text.req is not batch[-1].req:
+                break  # (a request's texts stay in one batch while they fit it)
+            if batch and not fits(len(batch) + 1, max(longest, text.n_tokens), self.settings):
+                break  # (a text over the token budget still runs: alone)
+            batch.append(queue.popleft())
+            longest = max(longest, text.n_tokens)
+        return batch
+
+    def drain(self) -> list[QueuedText]:
+        return []
+
+
+# --8<-- [end:take]
 
 
 # --8<-- [start:state]
 class Batcher:
     def __init__(
-        self, run: Model, settings: Settings, *, on_batch: Callable[[BatchRecord], None] | None = None
-    ):
+        self,
+        run: Model,
+        settings: Settings,
+        *,
+        on_batch: Callable[[BatchRecord], None] | None = None,
+        window: Window | None = None,
+        order: Oldest | None = None,
+        slots: Slots | None = None,
+        split: Split | None = None,
+        retry: Retry | None = None,
+    ) -> None:
         self._run, self.settings = run, settings
+        # The five policies, each the textbook's own unless ``refined.py`` passes a refinement:
+        # one window whatever the queue depth, the oldest texts, BATCH_CONCURRENCY slots, one call
+        # a batch, and a failed call's error for each of its rows.
+        self.window = window or (lambda depth: ("", settings.batch_window_ms / 1e3))
+        self.order, self.slots = order or Oldest(settings), slots or Slots(settings)
+        self.split = split or (lambda batch: [list(range(len(batch)))])
+        self.retry = retry or (lambda rows: [])
         self._observers = [] if on_batch is None else [on_batch]  # told of every batch (``watch``)
         self.stats = BatcherStats()
         self._queue: deque[QueuedText] = deque()  # arrival order
@@ -129,8 +128,8 @@ class Batcher:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self.in_flight = 0  # batches handed to the model slots
-        self._in_flight_texts = 0  # the texts in them
+        self.in_flight = self.in_flight_texts = 0  # batches handed to the model slots, and their texts
+        self._ahead: deque[int] = deque()  # texts of each batch handed over while every slot was busy
 
     def watch(self, observer: Callable[[BatchRecord], None]) -> None:
         """Tell ``observer`` of every batch once it has run (stage 4's admission, stage 5's metrics)."""
@@ -138,25 +137,13 @@ class Batcher:
 
     @property
     def queue_depth(self) -> int:
-        """Texts queued, not yet taken into a batch."""
-        return len(self._queue)
-
-    def batches_at_once(self) -> int:
-        """Batches handed to the model slots at once: one per slot."""
-        return self.settings.batch_concurrency
-
-    def tier(self, depth: int) -> str:
-        """The load tier of a batch formed at this queue depth: none, every batch has one window."""
-        return ""
-
-    def window_s(self, tier: str) -> float:
-        """How long a batch may wait for more texts, counted from its oldest text's arrival."""
-        return self.settings.batch_window_ms / 1e3
+        """Texts not in a model slot yet: queued, held by the order, or handed over ahead."""
+        return len(self._queue) + self.order.held + sum(self._ahead)
 
     async def start(self) -> None:
         # A thread per model slot: BATCH_CONCURRENCY batches side by side, no more.
-        self._pool = ThreadPoolExecutor(self.settings.batch_concurrency, thread_name_prefix="batcher")
-        self._task = asyncio.create_task(self._loop(asyncio.Semaphore(self.batches_at_once())))
+        self._pool = ThreadPoolExecutor(self.slots.count, thread_name_prefix="batcher")
+        self._task = asyncio.create_task(self._loop(asyncio.Semaphore(self.slots.count + self.slots.ahead)))
 
     # --8<-- [end:state]
 
@@ -196,7 +183,10 @@ class Batcher:
                 tier = await self._wait_for_batch()
                 if tier is None:  # closing, and nothing is left
                     break
+                before = self.queue_depth
                 batch = self._take()
+                if not batch and self.queue_depth == before:  # a take that took no text would spin
+                    raise RuntimeError(f"the take took none of the {before} texts queued")  # the loop
             except Exception as exc:  # a bug, not the model: every caller queued gets the error
                 log.exception("the batcher could not form a batch")
                 for text in self._drain():
@@ -212,8 +202,9 @@ class Batcher:
                 continue
             for text in batch:
                 text.req.taken += 1  # in a batch now: a deadline no longer stops it
-            self.in_flight += 1
-            self._in_flight_texts += len(batch)
+            self.in_flight, self.in_flight_texts = self.in_flight + 1, self.in_flight_texts + len(batch)
+            if self.in_flight > self.slots.count:  # every slot busy: it waits for one, ready
+                self._ahead.append(len(batch))
             task = asyncio.create_task(self._run_in_slot(batch, tier, slots))
             running.add(task)
             task.add_done_callback(running.discard)
@@ -225,6 +216,8 @@ class Batcher:
     async def _wait_for_batch(self) -> str | None:
         """Wait for a first text, then up to the window for a full batch; return the batch's tier.
         None: closing, and the queue is empty."""
+        if self.order.held:  # texts the order took out have had their wait
+            return self.window(self.queue_depth)[0]
         while not self._queue:
             if self._closing:
                 return None
@@ -232,8 +225,8 @@ class Batcher:
             self._wakeup.clear()
             await self._wakeup.wait()
         self._idle = False
-        tier = self.tier(len(self._queue))
-        window_end = self._queue[0].req.enqueued + self.window_s(tier)
+        tier, window_s = self.window(len(self._queue))
+        window_end = self._queue[0].req.enqueued + window_s
         while len(self._queue) < self.settings.max_batch_size and not self._closing:
             left = window_end - time.perf_counter()
             if left <= 0:
@@ -248,24 +241,11 @@ class Batcher:
 
     # --8<-- [end:wait]
 
-    # --8<-- [start:take]
-    def _take(self, limit: int = 0) -> list[QueuedText]:
-        """The next batch: the oldest texts that fit MAX_BATCH_SIZE (or ``limit``) and MAX_BATCH_TOKENS."""
-        limit = limit or self.settings.max_batch_size
-        batch: list[QueuedText] = []
-        longest = 0
-        while self._queue:
-            text = self._queue[0]
-            if self._gone(text):
-                self._queue.popleft()
-                continue
-            if len(batch) >= limit and text.req is not batch[-1].req:
-                break  # (a request's texts stay in one batch while they fit it)
-            if batch and not fits(len(batch) + 1, max(longest, text.n_tokens), self.settings):
-                break  # (a text over the token budget still runs: alone)
-            batch.append(self._queue.popleft())
-            longest = max(longest, text.n_tokens)
-        return batch
+    def _take(self) -> list[QueuedText]:
+        """The next batch, as the order takes it, within the slots' limit."""
+        _tier, window_s = self.window(self.queue_depth)
+        limit = self.slots.limit(len(self._queue) + self.order.held + self.in_flight_texts, window_s)
+        return self.order.take(self._queue, self._gone, limit)
 
     def _gone(self, text: QueuedText) -> bool:
         """Whether the text's caller has gone (cancelled, past its deadline, failed): the one check
@@ -277,8 +257,6 @@ class Batcher:
             return True
         return False
 
-    # --8<-- [end:take]
-
     # --8<-- [start:fanout]
     async def _run_in_slot(self, batch: list[QueuedText], tier: str, slots: asyncio.Semaphore) -> None:
         """A batch the loop handed to a model slot: run it, and free the slot whatever happens."""
@@ -289,37 +267,30 @@ class Batcher:
             for text in batch:
                 text.req.fail(exc)
         finally:
-            self.in_flight -= 1
-            self._in_flight_texts -= len(batch)
+            self.in_flight, self.in_flight_texts = self.in_flight - 1, self.in_flight_texts - len(batch)
+            if self._ahead:  # the slot this one frees takes the batch waiting for it at once
+                self._ahead.popleft()
             slots.release()
 
     async def _run_batch(self, batch: list[QueuedText], tier: str) -> None:
         """Run the batch in a model slot's thread, hand each caller its rows, report the batch."""
         started = time.perf_counter()
         # NEW: the model runs in an executor thread; the event loop keeps serving
-        done = await asyncio.get_running_loop().run_in_executor(self._pool, self._timed, batch)
-        record = self._record(batch, tier, started, done)
-        for row, text in enumerate(batch):
-            if done.vectors is None or row in done.errors:
-                text.req.fail(done.errors[row])
-            else:
-                text.req.deliver(text.index, done.vectors[row], record, record.queue_ms[row])
-        self._report(record)
-
-    def _record(self, batch: list[QueuedText], tier: str, started: float, done: Computed) -> BatchRecord:
-        """What the batch was, for /v1/batcher/metrics and the ``on_batch`` observers."""
-        return BatchRecord(
+        done = await asyncio.get_running_loop().run_in_executor(self._pool, self._compute, batch)
+        record = BatchRecord(
             len(batch), done.padded_tokens, sum(t.n_tokens for t in batch), tier,
             queue_ms=[(started - t.req.enqueued) * 1e3 for t in batch],
             inference_ms=(time.perf_counter() - started) * 1e3,
             error=next((type(e).__name__ for e in done.errors.values()), None),
             calls=done.calls, started=started, slot=done.slot, model_s=done.model_s,
         )  # fmt: skip
-
-    def _report(self, record: BatchRecord) -> None:
-        """Count the batch, tell the observers; an observer's bug never stops the batcher."""
+        for row, text in enumerate(batch):
+            if done.vectors is None or row in done.errors:
+                text.req.fail(done.errors[row])
+            else:
+                text.req.deliver(text.index, done.vectors[row], record, record.queue_ms[row])
         self.stats.add(record)
-        for observer in self._observers:
+        for observer in self._observers:  # an observer's bug never stops the batcher
             try:
                 observer(record)
             except Exception:
@@ -329,33 +300,30 @@ class Batcher:
 
     # --8<-- [start:model]
     # --- the model thread (an executor thread, never the event loop) --------------------------
-    def _timed(self, batch: list[QueuedText]) -> Computed:
-        """``_compute``, and which slot ran it for how long (slot utilisation)."""
-        started = time.perf_counter()
-        done = self._compute(batch)
+    def _compute(self, batch: list[QueuedText]) -> Computed:
+        """The batch as model calls (``split``), and which slot ran them for how long."""
+        started, done, ids = time.perf_counter(), Computed(len(batch)), [t.ids for t in batch]
+        for rows in self.split(batch):
+            done.padded_tokens += len(rows) * max(batch[r].n_tokens for r in rows)
+            self._run_rows(ids, rows, done)
         done.model_s, done.slot = time.perf_counter() - started, threading.current_thread().name
         return done
 
-    def _compute(self, batch: list[QueuedText]) -> Computed:
-        """One model call on the whole batch, every row padded to its longest."""
-        done = Computed(len(batch), padded_tokens=len(batch) * max(t.n_tokens for t in batch))
-        self._run_rows([t.ids for t in batch], list(range(len(batch))), done)
-        return done
-
     def _run_rows(self, ids: list[np.ndarray], rows: list[int], done: Computed) -> None:
-        """One model call on these rows of the batch; if it raises, each of them gets the error."""
+        """One model call on these rows, checked: never hand a caller someone else's vector. If it
+        raises, each row gets the error, unless ``retry`` runs them again in parts."""
         try:
-            done.put(rows, self._call(ids, rows, done))
+            done.calls += 1
+            vectors = self._run([ids[r] for r in rows])
+            if vectors.shape[0] != len(rows):
+                raise RuntimeError(f"the model returned {vectors.shape[0]} vectors for {len(rows)} texts")
+            done.put(rows, vectors)
         except Exception as exc:
-            done.errors.update(dict.fromkeys(rows, exc))
-
-    def _call(self, ids: list[np.ndarray], rows: list[int], done: Computed) -> np.ndarray:
-        """The model call itself, checked: never hand a caller someone else's vector."""
-        done.calls += 1
-        vectors = self._run([ids[r] for r in rows])
-        if vectors.shape[0] != len(rows):
-            raise RuntimeError(f"the model returned {vectors.shape[0]} vectors for {len(rows)} texts")
-        return vectors
+            parts = self.retry(rows)
+            if not parts:
+                done.errors.update(dict.fromkeys(rows, exc))
+            for part in parts:
+                self._run_rows(ids, part, done)
 
     # --8<-- [end:model]
 
@@ -372,7 +340,7 @@ class Batcher:
             self._pool.shutdown(wait=True)
 
     def _drain(self) -> list[QueuedText]:
-        left = list(self._queue)
+        left = self.order.drain() + list(self._queue)
         self._queue.clear()
         return left
 

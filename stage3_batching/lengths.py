@@ -11,7 +11,8 @@ CPU the model computes a padded token at the cost of a real one.
   cheapest set of calls (every way to cut the sorted lengths into runs, each prefix's best cut
   reused). One request's texts always stay together, in their order, in one call.
 
-``refined.py`` passes them to the batcher; each is off (the textbook way) with its setting false.
+``refined.py`` passes them to the batcher, in place of the textbook's take (``Oldest``) and split
+(``one_call``); each is off (the textbook way) with its setting false.
 """
 
 from __future__ import annotations
@@ -23,20 +24,23 @@ from itertools import pairwise
 import numpy as np
 
 from common.settings import Settings
-from stage3_batching.batcher import QueuedText, fits
+from stage3_batching.batcher import Oldest
+from stage3_batching.pending import QueuedText, fits
 
 
 # --8<-- [start:take]
-class GroupByLength:
+class GroupByLength(Oldest):
     """The batcher's take order: sorted rounds of GROUP_WINDOW texts instead of arrival order."""
 
     def __init__(self, settings: Settings) -> None:
-        self.settings = settings
+        super().__init__(settings)
         self.rounds: deque[list[QueuedText]] = deque()  # batches already cut, in order
         self.held = 0  # texts in them: still queued, for the queue depth
 
-    def take(self, queue: deque[QueuedText], gone: Callable[[QueuedText], bool]) -> list[QueuedText] | None:
-        """The next batch of the round; None: all that is queued fits one batch, take it in order."""
+    def take(
+        self, queue: deque[QueuedText], gone: Callable[[QueuedText], bool], limit: int
+    ) -> list[QueuedText]:
+        """The next batch of the round; when all that is queued fits one batch, the oldest texts."""
         s = self.settings
         if not self.rounds:
             window: list[QueuedText] = []
@@ -46,7 +50,7 @@ class GroupByLength:
                     window.append(text)
             if fifo_count(window, s) == len(window):  # it all fits one batch: nothing to sort
                 queue.extendleft(reversed(window))
-                return None
+                return super().take(queue, gone, limit)
             # NEW: sort a bounded window by length and cut it into batches.
             self.rounds.extend(sorted_round(window, s))
             self.held = len(window)

@@ -19,7 +19,7 @@ BATCHER_SETTINGS = ("batcher", "max_batch_size", "max_batch_tokens", "batch_conc
 router = APIRouter(tags=["batcher"])
 
 
-def batcher_of(backend: Annotated[Any, Depends(backend_of)]) -> Batcher:
+async def batcher_of(backend: Annotated[Any, Depends(backend_of)]) -> Batcher:
     batcher: Batcher = backend.batcher
     return batcher
 

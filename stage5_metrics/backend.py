@@ -94,7 +94,7 @@ class MetricsBackend:
         return StageCounts(
             queue_depth=depth,
             in_flight=self.batcher.in_flight,
-            tier=self.batcher.tier(depth),
+            tier=self.batcher.window(depth)[0],
             active=s.active,
             max_queue=self.settings.max_queue,
             cache_hits={t: cache.hits[t] for t in ("memory", "redis")},

@@ -3,7 +3,7 @@
 As Ray Serve's batching tests do, nothing here sleeps and hopes: the fake model blocks
 until the test opens its gate, so the test decides what is queued while a batch runs,
 and every wait is a short ``asyncio.wait(..., timeout=...)``. What any batcher must do runs
-against both the textbook ``Batcher`` and the ``RefinedBatcher`` the server uses; each
+against both the textbook ``Batcher`` and the ``refined`` the server uses; each
 refinement's own effect is checked against the textbook batcher, one refinement at a time
 (the section "each refinement on its own"). The last tests run the real engine and compare
 each caller's vectors with the engine alone.
@@ -25,12 +25,12 @@ from exercise_pieces import textbook_batcher
 from common import corpus
 from common.engine import Engine, TokenizedText, l2_normalize
 from common.settings import Settings
-from stage3_batching.batcher import BatchOutcome, BatchRecord, Computed, DeadlineExceeded
+from stage3_batching.batcher import BatchOutcome, BatchRecord, DeadlineExceeded, Slots
 from stage3_batching.lengths import length_buckets
-from stage3_batching.refined import RefinedBatcher
+from stage3_batching.refined import halves, refined
 
 Batcher = textbook_batcher()  # stage 3's; with EXERCISE=1 yours (exercises/stage3_batching/batcher.py)
-Kind = Callable[..., Batcher]  # a batcher class, or RefinedBatcher with some of its pieces
+Kind = Callable[..., Batcher]  # a batcher class, or refined with some of its pieces
 
 SHORT = 5.0  # seconds: generous for "it happens" on a busy machine; never elapses when the code is right
 BLOCKED = 0.2  # seconds: how long we watch for "it does not happen"
@@ -105,18 +105,18 @@ def records() -> list[BatchRecord]:
     return []
 
 
-KINDS = pytest.mark.parametrize("kind", [Batcher, RefinedBatcher], ids=["textbook", "refined"])
+KINDS = pytest.mark.parametrize("kind", [Batcher, refined], ids=["textbook", "refined"])
 
 
 async def started(
-    model: FakeModel, records: list[BatchRecord], kind: Kind = RefinedBatcher, **overrides: Any
+    model: FakeModel, records: list[BatchRecord], kind: Kind = refined, **overrides: Any
 ) -> Batcher:
     batcher = kind(model, make_settings(**overrides), on_batch=records.append)
     await batcher.start()
     return batcher
 
 
-@pytest.fixture(params=[Batcher, RefinedBatcher], ids=["textbook", "refined"])
+@pytest.fixture(params=[Batcher, refined], ids=["textbook", "refined"])
 async def batcher(
     model: FakeModel, records: list[BatchRecord], request: pytest.FixtureRequest
 ) -> AsyncIterator[Batcher]:
@@ -332,7 +332,7 @@ async def test_two_slots_run_two_batches_side_by_side_and_the_queue_fills_meanwh
     assert batcher.in_flight == 2
     later = [submit(batcher, m) for m in (3, 4, 5)]
     await asyncio.sleep(0.01)
-    if kind is RefinedBatcher:  # busy slots: the next batch is handed over now, ready for a free slot
+    if kind is refined:  # busy slots: the next batch is handed over now, ready for a free slot
         assert batcher.queue_depth == 3 and batcher.in_flight == 3  # (still queued until a slot takes it)
     else:  # both slots busy: they wait in the queue, together
         assert batcher.queue_depth == 3 and batcher.in_flight == 2
@@ -360,18 +360,20 @@ async def test_a_request_larger_than_a_batch_is_answered_whole_and_in_order(
     assert big.result().vectors.shape == (19, 4)
 
 
-@pytest.mark.parametrize("kind", [Batcher], ids=["textbook"])
-async def test_a_limit_on_the_batch_cuts_between_requests_never_inside_one(
-    model: FakeModel, records: list[BatchRecord], kind: Kind
+async def test_a_limit_on_a_textbook_batch_cuts_between_requests_never_inside_one(
+    model: FakeModel, records: list[BatchRecord]
 ) -> None:
-    """``_take(limit)`` (the busy slots' share passes one): at most ``limit`` texts, but the texts
-    of the request the last one belongs to stay with it while they fit MAX_BATCH_SIZE."""
+    """The slots' limit (the busy slots' share is one): at most ``limit`` texts, but the texts of
+    the request the last one belongs to stay with it while they fit MAX_BATCH_SIZE."""
 
-    class AtMostTwo(kind):  # type: ignore[misc,valid-type]
-        def _take(self, limit: int = 0) -> list[Any]:
-            return super()._take(2)  # type: ignore[no-any-return]
+    class AtMostTwo(Slots):
+        def limit(self, work: int, window_s: float) -> int:
+            return 2
 
-    batcher = await started(model, records, AtMostTwo)
+    def AtMostTwo_batcher(run: Any, settings: Settings, **kw: Any) -> Batcher:
+        return Batcher(run, settings, slots=AtMostTwo(settings), **kw)
+
+    batcher = await started(model, records, AtMostTwo_batcher)
     first = await hold_model(batcher, model)
     tasks = [submit(batcher, 1), submit(batcher, 2, 3, 4), submit(batcher, 5)]
     await asyncio.sleep(0)
@@ -411,7 +413,7 @@ async def test_batch_sizes_are_told_in_the_order_the_batches_formed(
 
 # --- length grouping ------------------------------------------------------------------
 async def _burst(
-    model: FakeModel, records: list[BatchRecord], kind: Kind = RefinedBatcher, **overrides: Any
+    model: FakeModel, records: list[BatchRecord], kind: Kind = refined, **overrides: Any
 ) -> tuple[Batcher, list[int]]:
     """40 one-text requests of mixed lengths queued behind a busy model, then released."""
     batcher = await started(model, records, kind, group_window=32, **overrides)
@@ -553,19 +555,17 @@ async def test_a_wrong_number_of_vectors_is_an_error_not_a_mixup(batcher: Batche
     assert markers(again.result()) == [3]
 
 
-@KINDS
+@pytest.mark.parametrize("retry", [None, halves], ids=["textbook", "isolation"])
 async def test_a_failed_call_fails_only_the_callers_of_its_rows(
-    model: FakeModel, records: list[BatchRecord], kind: Kind
+    model: FakeModel, records: list[BatchRecord], retry: Any
 ) -> None:
-    """A batch run as several model calls (here one call a text, as a refinement may cut it):
-    each caller gets its own rows, and a call that raised fails only the callers of its rows."""
+    """A batch run as several model calls (here one call a text, as a split may cut it): each
+    caller gets its own rows, and a call that raised fails only the callers of its rows."""
 
-    class OneCallAText(kind):  # type: ignore[misc,valid-type]
-        def _compute(self, batch: list[Any]) -> Computed:
-            done = Computed(len(batch))
-            for row in range(len(batch)):
-                self._run_rows([t.ids for t in batch], [row], done)
-            return done
+    def OneCallAText(run: Any, settings: Settings, **kw: Any) -> Batcher:
+        return Batcher(
+            run, settings, split=lambda batch: [[row] for row in range(len(batch))], retry=retry, **kw
+        )
 
     batcher = await started(model, records, OneCallAText)
     first = await hold_model(batcher, model)
@@ -670,9 +670,7 @@ async def test_close_finishes_everything_queued(
         await batcher.submit([tok(1)])
 
 
-@pytest.mark.parametrize(
-    ("kind", "split"), [(Batcher, False), (RefinedBatcher, False), (RefinedBatcher, True)]
-)
+@pytest.mark.parametrize(("kind", "split"), [(Batcher, False), (refined, False), (refined, True)])
 async def test_no_future_is_left_pending_under_random_load(
     model: FakeModel, records: list[BatchRecord], split: bool, kind: Kind
 ) -> None:
@@ -709,12 +707,12 @@ async def test_no_future_is_left_pending_under_random_load(
 
 
 # --- each refinement on its own, against the textbook batcher ---------------------------
-PIECES = ("tiers", "grouping", "buckets", "isolation", "busy_slots")  # RefinedBatcher's switches
+PIECES = ("tiers", "grouping", "buckets", "isolation", "busy_slots")  # refined's switches
 
 
 def only(piece: str) -> Kind:
-    """The textbook batcher with one refinement: RefinedBatcher with every other piece left out."""
-    return functools.partial(RefinedBatcher, **{p: p == piece for p in PIECES})
+    """The textbook batcher with one refinement: refined with every other piece left out."""
+    return functools.partial(refined, **{p: p == piece for p in PIECES})
 
 
 Tiered, Grouped, Bucketed, Isolated, Busy = (only(p) for p in PIECES)
@@ -722,7 +720,7 @@ Tiered, Grouped, Bucketed, Isolated, Busy = (only(p) for p in PIECES)
 
 @pytest.mark.parametrize(
     ("kind", "low_threshold", "tier"),
-    [(Batcher, 3, ""), (Tiered, 3, "low"), (RefinedBatcher, 3, "low"), (RefinedBatcher, 1, "medium")],
+    [(Batcher, 3, ""), (Tiered, 3, "low"), (refined, 3, "low"), (refined, 1, "medium")],
     ids=["textbook", "tiers", "refined", "refined-tiers-off"],
 )
 async def test_tiers_let_a_lone_request_skip_the_window(
@@ -829,7 +827,7 @@ async def test_isolation_fails_only_the_guilty_caller_where_the_textbook_fails_t
 
 # --- the real engine ----------------------------------------------------------------
 async def _each_caller_gets_its_own_vectors(
-    engine: Engine, split: bool = False, kind: Kind = RefinedBatcher
+    engine: Engine, split: bool = False, kind: Kind = refined
 ) -> np.ndarray:
     texts = corpus.texts(48, seed=21, kind="mixed")
     tokens = engine.tokenize(texts)
@@ -850,9 +848,7 @@ async def _each_caller_gets_its_own_vectors(
     return np.asarray((served * alone).sum(axis=1))
 
 
-@pytest.mark.parametrize(
-    ("split", "kind"), [(False, Batcher), (False, RefinedBatcher), (True, RefinedBatcher)]
-)
+@pytest.mark.parametrize(("split", "kind"), [(False, Batcher), (False, refined), (True, refined)])
 async def test_each_caller_gets_its_own_vectors_fp32(fp32_engine: Engine, split: bool, kind: Kind) -> None:
     cosines = await _each_caller_gets_its_own_vectors(fp32_engine, split, kind)
     assert cosines.min() > 0.99999  # fp32 is batch invariant: any mix-up would show

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from benchmarks import evidence_check, results
+from benchmarks import evidence_check, quant_study, results
 from benchmarks.evidence_check import (
     Sources,
     prose_numbers,
@@ -27,7 +27,6 @@ from benchmarks.evidence_check import (
 )
 from common.settings import Settings
 from loadtests import evidence, tables
-from stage0_script import quant_study
 
 REPO = Path(__file__).resolve().parent.parent
 

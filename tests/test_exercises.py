@@ -34,6 +34,7 @@ PIECES = [
     ("stage1_naive.backend", "NaiveBackend"),
     ("stage2_threadpool.backend", "ThreadPoolBackend"),
     ("stage3_batching.batcher", "Batcher"),
+    ("stage3_batching.batcher", "Oldest"),
     ("stage4_cache_backpressure.cache", "MemoryCache"),
     ("stage4_cache_backpressure.singleflight", "SingleFlight"),
     ("stage4_cache_backpressure.admission", "Admission"),

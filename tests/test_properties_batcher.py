@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from common.engine import Engine, TokenizedText, l2_normalize
 from common.settings import Settings
 from stage3_batching.batcher import Batcher, DeadlineExceeded
-from stage3_batching.refined import RefinedBatcher
+from stage3_batching.refined import refined
 
 # `make test` runs a bounded number of examples; `make fuzz` sets FUZZ_EXAMPLES much higher.
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "60"))
@@ -123,11 +123,11 @@ async def _caller(batcher: Batcher, sub: Submission) -> np.ndarray:
 
 
 async def _scenario(
-    config: dict[str, object], subs: list[Submission], delay_s: float, kind: type[Batcher] = RefinedBatcher
+    config: dict[str, object], subs: list[Submission], delay_s: float, kind: type[Batcher] = refined
 ) -> None:
     model = FakeModel(delay_s)
     batcher = kind(model, Settings.model_validate(config))
-    isolated = kind is RefinedBatcher
+    isolated = kind is refined
     any_poison = any(POISON in t for sub in subs for t in sub.texts)
     errors = _Errors()
     logging.getLogger("embedserve.batcher").addHandler(errors)
@@ -224,7 +224,7 @@ def test_poison_fails_only_the_guilty_request() -> None:
 
     async def run() -> list[BaseException | None]:
         model = FakeModel(0)
-        batcher = RefinedBatcher(model, Settings.model_validate(config))
+        batcher = refined(model, Settings.model_validate(config))
         await batcher.start()
         results = await asyncio.gather(*(_caller(batcher, s) for s in subs), return_exceptions=True)
         await batcher.close()
@@ -254,7 +254,7 @@ def real_engine() -> Engine:
 @given(requests=st.lists(st.lists(_text, min_size=1, max_size=4), min_size=1, max_size=8))
 def test_real_engine_batched_equals_alone(real_engine: Engine, requests: list[list[str]]) -> None:
     async def run() -> list[np.ndarray]:
-        batcher = RefinedBatcher(real_engine.run, Settings.model_validate({"batch_window_ms": 5.0}))
+        batcher = refined(real_engine.run, Settings.model_validate({"batch_window_ms": 5.0}))
         await batcher.start()
         outs = await asyncio.gather(*(batcher.submit(real_engine.tokenize(r)) for r in requests))
         assert batcher.queue_depth == 0

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from benchmarks.quant_study import FAMILIES
 from common import corpus
 from common.engine import Engine
 from common.settings import Settings
-from stage0_script.quant_study import FAMILIES
 from stage0_script.quantize import FFN_OUT, _CalibrationReader, excluded_nodes
 from stage0_script.smooth import smooth_matmul_inputs
 

@@ -287,7 +287,7 @@ async def _occupy(backend: CacheBackend, engine: Engine) -> list[asyncio.Future[
     """With the gate closed: the model slot busy, and the batch the batcher keeps ready for it
     taken too (stage 3's BusySlots), so the texts of the next request wait in the queue."""
     blockers: list[asyncio.Future[Any]] = []
-    while backend.batcher.in_flight < backend.batcher.batches_at_once():
+    while backend.batcher.in_flight < backend.batcher.slots.count + backend.batcher.slots.ahead:
         blockers.append(asyncio.ensure_future(backend.embed(_job(engine, [_new("blocker")]))))
         n = len(blockers)
         await _until(lambda n=n: backend.batcher.in_flight >= n)

@@ -10,7 +10,7 @@ import pytest
 
 from common.engine import Engine
 from common.settings import Settings
-from stage3_batching.refined import RefinedBatcher
+from stage3_batching.refined import refined
 
 
 def _trivial_model(ids: Sequence[np.ndarray]) -> np.ndarray:
@@ -18,8 +18,8 @@ def _trivial_model(ids: Sequence[np.ndarray]) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def batcher(loop: asyncio.AbstractEventLoop, settings: Settings) -> Iterator[RefinedBatcher]:
-    batcher = RefinedBatcher(_trivial_model, settings)
+def batcher(loop: asyncio.AbstractEventLoop, settings: Settings) -> Iterator[refined]:
+    batcher = refined(_trivial_model, settings)
     loop.run_until_complete(batcher.start())
     yield batcher
     loop.run_until_complete(batcher.close())
@@ -29,7 +29,7 @@ def batcher(loop: asyncio.AbstractEventLoop, settings: Settings) -> Iterator[Ref
 def bench_burst(
     benchmark: pytest.FixtureRequest,
     loop: asyncio.AbstractEventLoop,
-    batcher: RefinedBatcher,
+    batcher: refined,
     engine: Engine,
     sentences: list[str],
     concurrent: int,

@@ -40,7 +40,9 @@ class ThreadPoolBackend(NaiveBackend):
     async def run_model(self, ids: list[np.ndarray]) -> tuple[np.ndarray, float]:
         """``timed_run(self.engine, ids)``, computed in a worker thread; the event loop waits
         without blocking. Stage 1 calls it right here, on the event loop."""
-        raise NotImplementedError("TODO: run the model in a worker thread and await the result")
+        raise NotImplementedError(
+            "TODO (exercises/stage2_threadpool/app.py): run the model in a worker thread and await the result"
+        )
 
     async def close(self) -> None:
         """Called once when the server stops."""

@@ -8,15 +8,16 @@ model raises, every caller of that batch gets the error. Chapter: docs/stage3.md
 (the refinements after it are not part of this exercise).
 
 Write the five methods below, in the order a request meets them (and the first test names
-them): ``submit``, ``_wait_for_batch``, ``_take``, ``_run_batch`` (the fan-out) and ``_run_rows``
-(in the model thread: one call, its errors kept by row).
+them): ``Batcher.submit``, ``Batcher._wait_for_batch``, ``Oldest.take`` (which texts a batch
+takes), ``Batcher._run_batch`` (the fan-out) and ``Batcher._run_rows`` (in the model thread: one
+call, its errors kept by row).
 
-Everything else is given, inherited from the stage's own ``Batcher`` in
-``stage3_batching/batcher.py``, so it is the code the server runs: read that file down to the
-class first (``PendingRequest``, ``QueuedText``, ``Computed``, ``fits``), then its ``__init__``
-(the fields you use), ``_loop`` (which calls your methods), ``_gone``, ``_expire``, ``_timed``,
-``_record`` and ``_report``. Do not read the bodies of the five methods there: they are the
-solution.
+Everything else is given, inherited from the stage's own classes in ``stage3_batching/batcher.py``,
+so it is the code the server runs: read ``stage3_batching/pending.py`` first (``PendingRequest``,
+``QueuedText``, ``Computed``, ``fits``), then in ``batcher.py`` the ``Batcher``'s ``__init__`` (the
+fields you use), ``_loop`` (which calls your methods), ``_take`` (which calls your ``take``),
+``_gone``, ``_expire`` and ``_compute``. Do not read the bodies of the five methods there: they
+are the solution.
 
 Check your work (stage 3's own batcher tests, those of the textbook batcher, run against this class):
 
@@ -34,23 +35,64 @@ Hints:
   caller's future is done, so ``_gone`` drops its texts before the model.
 - The queue is a ``deque`` in arrival order: take from the left (``popleft``), look at ``[0]``.
 - ``fits(n, longest, settings)`` says whether n texts padded to ``longest`` tokens fit one batch.
+- A take that takes no text while texts are queued would send the loop round without waiting:
+  the loop stops that with a RuntimeError, which the test's request then reports.
 - An error your methods raise reaches the test's request (the loop hands it to every caller
   queued); its traceback is under "Captured log call" in the test's report.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio  # noqa: F401 (yours to use: Event, timeout, the running loop)
+import time  # noqa: F401 (yours to use: perf_counter, monotonic)
+from collections import deque
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from common.engine import TokenizedText
-from common.limits import APIError
+from common.limits import NotReady
+from common.settings import Settings
 from stage3_batching import batcher as stage
-from stage3_batching.batcher import BatchOutcome, Computed, QueuedText
+from stage3_batching.batcher import Gone, Model, Retry, Slots, Split, Window
+from stage3_batching.pending import BatchOutcome, BatchRecord, Computed, PendingRequest, QueuedText, fits  # noqa: F401
+
+
+class Oldest(stage.Oldest):
+    def take(self, queue: deque[QueuedText], gone: Gone, limit: int) -> list[QueuedText]:
+        """The next batch: the oldest texts that fit ``limit`` (MAX_BATCH_SIZE or less) and MAX_BATCH_TOKENS.
+
+        TODO: take texts from the front of ``queue`` while the batch has fewer than ``limit``. A
+        text whose caller is gone (``gone(text)``) is removed and skipped. Stop before a text that
+        would make the batch not ``fits`` (every row is padded to the longest one), but the first
+        text always goes, even alone over MAX_BATCH_TOKENS: otherwise it could never run. A
+        request's texts stay together while they fit: past ``limit``, still take the texts of the
+        request the last one belongs to.
+        """
+        raise NotImplementedError(
+            "TODO (exercises/stage3_batching/batcher.py): Oldest.take, the oldest texts that fit"
+        )
 
 
 class Batcher(stage.Batcher):
+    def __init__(
+        self,
+        run: Model,
+        settings: Settings,
+        *,
+        on_batch: Callable[[BatchRecord], None] | None = None,
+        window: Window | None = None,
+        order: Oldest | None = None,
+        slots: Slots | None = None,
+        split: Split | None = None,
+        retry: Retry | None = None,
+    ) -> None:
+        """Given: the stage's batcher, taking its texts with your ``Oldest`` unless told otherwise."""
+        super().__init__(
+            run, settings, on_batch=on_batch, window=window, order=order or Oldest(settings), slots=slots,
+            split=split, retry=retry,
+        )  # fmt: skip
+
     async def submit(self, tokens: Sequence[TokenizedText], *, deadline: float | None = None) -> BatchOutcome:
         """Queue the texts, wait for all their vectors (in order).
 
@@ -66,8 +108,10 @@ class Batcher(stage.Batcher):
         5. Await the future; however that ends, cancel the deadline's timer.
         """
         if self._closing or self._task is None or self._task.done():
-            raise APIError(503, "the batcher is not running", headers={"Retry-After": "1"})
-        raise NotImplementedError("TODO: submit: queue the texts with one future and await it")
+            raise NotReady("the batcher is not running")
+        raise NotImplementedError(
+            "TODO (exercises/stage3_batching/batcher.py): submit, queue the texts with a future, await it"
+        )
 
     async def _wait_for_batch(self) -> str | None:
         """Wait for a first text, then up to the window for a full batch; return the batch's tier.
@@ -76,47 +120,49 @@ class Batcher(stage.Batcher):
         TODO:
         1. While the queue is empty: if closing, return None (the loop then stops); otherwise say
            the loop is idle (``self._idle``), clear ``self._wakeup`` and wait for it.
-        2. Not idle any more. The tier is ``self.tier(len(self._queue))``; the window ends
-           ``self.window_s(tier)`` seconds after the oldest queued text arrived
-           (``self._queue[0].req.enqueued``, a ``time.perf_counter()``).
+        2. Not idle any more. ``tier, seconds = self.window(len(self._queue))``: the window ends
+           ``seconds`` after the oldest queued text arrived (``self._queue[0].req.enqueued``, a
+           ``time.perf_counter()``).
         3. While fewer than MAX_BATCH_SIZE texts are queued and ``close()`` has not begun: if the
            window has ended, stop waiting; otherwise clear ``self._wakeup`` and wait for it (a
            full batch, or close), at most until the window ends (``asyncio.timeout``).
         4. Return the tier.
         """
-        raise NotImplementedError("TODO: _wait_for_batch: a first text, then the window")
-
-    def _take(self, limit: int = 0) -> list[QueuedText]:
-        """The next batch: the oldest texts that fit MAX_BATCH_SIZE (or ``limit``) and MAX_BATCH_TOKENS.
-
-        TODO: take texts from the front of the queue while the batch has fewer than ``limit`` (0:
-        MAX_BATCH_SIZE). A text whose caller is gone (``self._gone(text)``) is removed and
-        skipped. Stop before a text that would make the batch not ``fits`` (every row is padded
-        to the longest one), but the first text always goes, even alone over MAX_BATCH_TOKENS:
-        otherwise it could never run. A request's texts stay together while they fit: past
-        ``limit``, still take the texts of the request the last one belongs to.
-        """
-        raise NotImplementedError("TODO: _take: the oldest texts that fit the batch")
+        raise NotImplementedError(
+            "TODO (exercises/stage3_batching/batcher.py): _wait_for_batch, a first text, then the window"
+        )
 
     async def _run_batch(self, batch: list[QueuedText], tier: str) -> None:
         """Run the batch in a model slot's thread, hand each caller its rows, report the batch.
 
         TODO:
-        1. ``started = time.perf_counter()``; run ``self._timed(batch)`` in ``self._pool`` (the
+        1. ``started = time.perf_counter()``; run ``self._compute(batch)`` in ``self._pool`` (the
            event loop's ``run_in_executor``) and await the ``Computed`` it returns.
-        2. ``record = self._record(batch, tier, started, done)``.
+        2. ``record = BatchRecord(...)``: the batch's size, ``done.padded_tokens``, the sum of its
+           texts' ``n_tokens``, ``tier``, and by keyword ``queue_ms`` (each text's wait in ms, from
+           its caller's ``enqueued`` to ``started``), ``inference_ms`` (from ``started`` to now),
+           ``error`` (the type name of the first of ``done.errors``, or None), ``calls``,
+           ``started``, ``slot`` and ``model_s`` (from ``done``).
         3. Row ``i`` is ``batch[i]``'s answer: if ``done.vectors`` is None or ``i`` is in
            ``done.errors``, fail that caller with the error; otherwise deliver the vector
            (``deliver(text.index, done.vectors[i], record, record.queue_ms[i])``).
-        4. ``self._report(record)``.
+        4. Count it (``self.stats.add(record)``) and tell every observer (``self._observers``),
+           each in its own ``try``: an observer's bug must not stop the batcher.
         """
-        raise NotImplementedError("TODO: _run_batch: run the batch, hand each caller its rows")
+        raise NotImplementedError(
+            "TODO (exercises/stage3_batching/batcher.py): _run_batch, run the batch, hand out the rows"
+        )
 
     def _run_rows(self, ids: list[np.ndarray], rows: list[int], done: Computed) -> None:
         """One model call on these rows of the batch; if it raises, each of them gets the error.
 
-        TODO: ``done.put(rows, ...)`` the vectors of ``self._call(ids, rows, done)``; if the call
-        raises, record the exception for every one of ``rows`` in ``done.errors`` (row -> error).
-        Do not let it escape: the callers get it through ``_run_batch``.
+        TODO: count the call (``done.calls``), run the model (``self._run``) on the ids of
+        ``rows``, check it gave one vector per row (else raise a RuntimeError: never hand a caller
+        someone else's vector) and ``done.put(rows, vectors)``. If anything raises, record the
+        exception for every one of ``rows`` in ``done.errors`` (row -> error), unless
+        ``self.retry(rows)`` gives parts to run again: then run each part the same way. Do not
+        let it escape: the callers get it through ``_run_batch``.
         """
-        raise NotImplementedError("TODO: _run_rows: one model call, its error kept by row")
+        raise NotImplementedError(
+            "TODO (exercises/stage3_batching/batcher.py): _run_rows, one model call, its error kept by row"
+        )

@@ -1,6 +1,6 @@
 """How good can static INT8 get? Quantize recipes and measure each against fp32 and dynamic INT8.
 
-    python -m stage0_script.quant_study      (prints the table; STS-B pairs from data/stsb/)
+    python -m benchmarks.quant_study      (prints the table; STS-B pairs from data/stsb/)
 
 Each static recipe (calibration method, format, activation type, nodes kept in fp32) is
 quantized from the built fp32 model into a temporary folder and measured as the build's quality
@@ -27,9 +27,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks import quant_speed as speed
 from common.engine import Engine
 from common.settings import get_settings
-from stage0_script import quality, quantize, speed
+from stage0_script import quality, quantize
 from stage0_script.build_model import STSB_CSV
 from stage0_script.quantize import FFN_OUT, StaticRecipe
 
