@@ -5,9 +5,9 @@ Nothing about how a text is embedded changes; stage 4's backend does all of that
 
 * ``GET /metrics``: the registry as Prometheus text, served by prometheus-client's own ASGI app
   (``metrics.py``, ``stage_counts.py``);
-* ``GET /v1/metrics`` and ``GET /v1/dashboard``: the last minute and since start, as JSON,
-  from a window that samples the registry every second (``window.py``, ``views.py``), with
-  the model time the cache saved (``savings.py``);
+* ``GET /v1/metrics`` and ``GET /v1/dashboard``: the registry's running totals as JSON, and a
+  reading of them every 5 seconds for 5 minutes (``window.py``), from which the page computes its
+  rates and percentiles in the browser; the model time the cache saved (``savings.py``) is one;
 * ``GET /dashboard``: a live page with uPlot charts, served by the server itself (``static/``);
 * one JSON log line per request, with its ``X-Request-ID`` (``telemetry.py``, ``logs.py``).
 

@@ -2,7 +2,8 @@
 ``/dashboard``.
 
 ``/metrics`` is for Prometheus; the other three are for people, and read the same registry
-through the window. The page is one HTML file, one script and a vendored copy of uPlot
+through the window: running totals, which the page turns into rates and percentiles itself, as
+Prometheus would. The page is one HTML file, one script and a vendored copy of uPlot
 (``static/``), served by the server itself: no CDN, so it works without internet.
 """
 
@@ -18,20 +19,19 @@ from prometheus_client import make_asgi_app
 from starlette.types import Receive, Scope, Send
 
 from stage5_metrics.metrics import STATIC_ROUTE, Metrics
-from stage5_metrics.views import series, summary
 from stage5_metrics.window import Window
 
 STATIC = Path(__file__).parent / "static"
 
 
-def metrics_payload(request: Request, metrics: Metrics, window: Window) -> dict[str, Any]:
-    """``/v1/metrics``: the counts now, the last minute and since start."""
-    snap = window.now()
+def counts_now(request: Request, metrics: Metrics, window: Window) -> dict[str, Any]:
+    """``/v1/metrics``: what is queued now and the running totals (a rate needs two of these)."""
     now = metrics.earlier_stages.source()
     engine = getattr(request.app.state, "engine", None)
     return {
         "model": engine.model_name if engine is not None else None,
-        "uptime_s": round(snap.at - window.started, 1),
+        "started": window.started,
+        "uptime_s": round(window.clock() - window.started, 1),
         "now": {
             "queue_depth": now.queue_depth,
             "in_flight": now.in_flight,
@@ -39,8 +39,7 @@ def metrics_payload(request: Request, metrics: Metrics, window: Window) -> dict[
             "active_requests": now.active,
             "max_queue": now.max_queue,
         },
-        "last_minute": summary(window.minute_ago(snap), snap),
-        "since_start": summary(window.baseline, snap),
+        "reading": window.now().as_dict(),
     }
 
 
@@ -66,15 +65,17 @@ def add_dashboard_routes(app: FastAPI, metrics: Metrics, window: Window) -> None
 
     @app.get("/v1/metrics", tags=["metrics"])
     async def metrics_json(request: Request) -> dict[str, Any]:
-        """Requests/s, latency percentiles, hit rate, batches, tiers, rejections and savings:
-        over the last minute and since start."""
-        return metrics_payload(request, metrics, window)
+        """The queue now, and the running totals of every figure the page shows (requests by
+        status, texts, tokens, cache hits by tier, batches by tier, latency and batch-size buckets,
+        model time spent and saved), as one reading of the registry."""
+        return counts_now(request, metrics, window)
 
     @app.get("/v1/dashboard", tags=["metrics"])
     async def dashboard_json(request: Request) -> dict[str, Any]:
-        """Everything ``/v1/metrics`` has, plus a point every 5 seconds over the last 5 minutes."""
-        payload = metrics_payload(request, metrics, window)
-        payload["series"] = series(window)
+        """What ``/v1/metrics`` has, plus a reading at every 5-second step of the last 5 minutes,
+        oldest first: the page computes its rates and percentiles from them."""
+        payload = counts_now(request, metrics, window)
+        payload["readings"] = [r.as_dict() for r in window.readings]
         payload["step_s"] = window.step
         cost = getattr(getattr(request.app.state, "backend", None), "cost", None)
         if cost is not None:  # measured when the model has loaded

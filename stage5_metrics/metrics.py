@@ -1,7 +1,7 @@
 """The one counting system: a Prometheus registry per app, served as text at ``GET /metrics``.
 
 Every figure stage 5 shows comes from this registry: ``/metrics`` renders it for Prometheus,
-and ``window.py`` samples it every second for ``/v1/metrics``, ``/v1/dashboard`` and the page.
+and ``window.py`` reads its running totals for ``/v1/metrics``, ``/v1/dashboard`` and the page.
 
 Every name starts with ``embedserve_`` and ends with its unit. Labels take a handful of
 values each (route templates, status codes, three tiers, two cache tiers): never a text, a

@@ -11,6 +11,7 @@ folder only.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import shutil
 import threading
@@ -28,6 +29,9 @@ from playwright.sync_api import Browser, Page, sync_playwright
 from benchmarks.screenshots import CHROMIUM, CHROMIUM_ARGS
 from common import corpus
 from loadtests.load import post_bodies
+from stage5_metrics.metrics import Metrics
+from stage5_metrics.stage_counts import StageCounts
+from stage5_metrics.window import Window, read
 
 CHARTS = ("c-throughput", "c-latency", "c-hits", "c-batches", "c-queue", "c-tiers")
 TIME_CHARTS = tuple(c for c in CHARTS if c != "c-batches")  # x is time; batches: x is the size
@@ -254,3 +258,119 @@ def test_dashboard_with_an_api_key(browser: Browser, tmp_path: Path) -> None:
         page.wait_for_function("document.getElementById('status').textContent === 'live'", timeout=15_000)
         assert "dash-key-1" not in srv.log()
         page.close()
+
+
+# --- what the page computes from the readings, in the browser ------------------------------------
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def counted(metrics: Metrics, n: int, ms: float = 5.0, texts: int = 2, hits: int = 1) -> None:
+    """``n`` embedding requests answered 200, each with ``texts`` texts, and one batch of their misses."""
+    for _ in range(n):
+        metrics.observe_request("/v1/embed", 200, ms / 1e3)
+        metrics.observe_result(texts, 10 * texts, 0.001, 0.002 * hits)
+    metrics.observe_batch(n * (texts - hits), 160, 120, "medium", 0.02, failed=False)
+
+
+def page_of(window: Window) -> dict[str, Any]:
+    """What /v1/dashboard sends the page, from this window."""
+    readings = [r.as_dict() for r in window.readings]
+    now = window.now().as_dict()
+    return {"started": window.started, "step_s": window.step, "readings": readings, "reading": now}
+
+
+def zero(at: float) -> dict[str, Any]:
+    return {"at": at, "values": {}, "latency": {}, "sizes": {}, "depth_max": 0}
+
+
+def test_percentiles_interpolate_inside_a_bucket(watched: Watched) -> None:
+    """The page's histogram_quantile, on 1 .. 1000 ms evenly: within 5 % of the exact percentile."""
+    metrics = Metrics()
+    for ms in range(1, 1001):
+        metrics.observe_request("/v1/embed", 200, ms / 1e3)
+    metrics.observe_request("/metrics", 200, 5.0)  # another route: not in the embedding figures
+    empty, now = zero(0.0), read(metrics, 1.0).as_dict()
+    for q, exact in ((0.5, 500.0), (0.95, 950.0), (0.99, 990.0)):
+        got = watched.page.evaluate("([a, b, q]) => quantile(a, b, q, 'latency')", [empty, now, q])
+        assert got is not None and abs(got - exact) <= 0.05 * exact, (q, got)
+    assert watched.page.evaluate("([b]) => quantile(b, b, 0.5, 'latency')", [now]) is None  # none in between
+    mean = watched.page.evaluate("([a, b]) => summary(a, b).latency_ms.mean", [empty, now])
+    assert mean == pytest.approx(500.5)
+
+
+def test_last_minute_forgets_and_since_start_remembers(watched: Watched) -> None:
+    clock = Clock()
+    metrics = Metrics()
+    window = Window(metrics, clock=clock)
+    window.sample()
+    counted(metrics, 10)
+    for _ in range(90):  # a sample a second, as the server's task takes them
+        clock.now += 1
+        window.sample()
+    metrics.observe_request("/v1/embed", 503, 0.001)
+    figures = watched.page.evaluate("([d]) => windows(d)", [page_of(window)])
+    minute, since = figures["minute"], figures["since"]
+    assert minute["requests"] == 1 and minute["rejections"]["overload"] == 1 and minute["texts"] == 0
+    assert 59 <= minute["seconds"] <= 61
+    assert since["requests"] == 11 and since["texts"] == 20 and since["tokens"] == 200
+    assert since["statuses"] == {"200": 10, "503": 1}
+    assert since["cache"]["deduplicated"] == 0  # stage 4's counts come from the backend (StageCounts)
+    assert since["batches"]["count"] == 1 and since["batches"]["size_distribution"] == {"10": 1}
+    assert since["batches"]["tiers"] == {"low": 0, "medium": 1, "high": 0}
+    assert since["batches"]["padding_ratio"] == 0.25
+    assert since["savings"] == {"model_s_spent": 0.02, "model_s_saved_by_cache": 0.02, "saved_fraction": 0.5}
+    assert since["queue_ms_mean"] == 1.0
+    clock.now += 600  # long after: since start still has it all
+    window.sample()
+    assert watched.page.evaluate("([d]) => windows(d).since.requests", [page_of(window)]) == 11
+
+
+def test_cache_figures_come_from_the_tiers(watched: Watched) -> None:
+    """A Redis hit follows a memory miss: hits add up over tiers, lookups are the memory tier's."""
+    metrics = Metrics()
+    metrics.earlier_stages.source = lambda: StageCounts(
+        cache_hits={"memory": 6, "redis": 2}, cache_misses={"memory": 4, "redis": 2}, deduplicated=3
+    )
+    now = read(metrics, 1.0).as_dict()
+    cache = watched.page.evaluate("([a, b]) => summary(a, b).cache", [zero(0.0), now])
+    assert cache == {"hits": 8, "misses": 2, "hit_rate": 0.8, "deduplicated": 3}
+
+
+def test_series_points_cover_the_window_and_a_pause_is_zero(watched: Watched) -> None:
+    clock = Clock(1_000_000.0)
+    metrics = Metrics()
+    depth = {"now": 0}
+    metrics.earlier_stages.source = lambda: StageCounts(queue_depth=depth["now"])
+    window = Window(metrics, clock=clock)
+    series = "([d]) => series(d)"
+    assert len(watched.page.evaluate(series, [page_of(window)])) == 1  # just started: one point
+    window.sample()
+    for second in range(400):
+        clock.now += 1
+        if second < 30 or second > 380:  # traffic, a pause of almost six minutes, traffic again
+            counted(metrics, 2)
+            depth["now"] = 7 if second == 385 else 1
+        else:
+            depth["now"] = 0
+        window.sample()
+    points = watched.page.evaluate(series, [page_of(window)])
+    # 60 steps of 5 s, less the one under way: it began 0 s ago, too young to draw
+    assert len(points) == 60 and [p["t"] for p in points] == sorted(p["t"] for p in points)
+    assert all(b["t"] - a["t"] == 5 for a, b in itertools.pairwise(points))
+    pause, busy_step = points[10], points[-1]
+    assert pause["requests_per_s"] == 0 and pause["texts_per_s"] == 0 and pause["queue_depth_max"] == 0
+    assert pause["p50_ms"] is None and pause["hit_rate"] is None and pause["avg_batch"] is None
+    assert pause["tiers"] == {"low": 0, "medium": 0, "high": 0}
+    busy = [p for p in points if p["requests_per_s"] > 0]
+    assert busy and all(p["requests_per_s"] == pytest.approx(2.0, abs=0.5) for p in busy[:-1])
+    assert max(p["queue_depth_max"] for p in points) == 7  # the deepest queue of its step
+    assert busy_step["p50_ms"] == pytest.approx(5.0, rel=0.2) and busy_step["avg_batch"] == 2.0
+    assert busy_step["seconds"] == 5.0
+    clock.now += 3  # the step under way is drawn once it is 2 s old, over its own length
+    under_way = watched.page.evaluate(series, [page_of(window)])[-1]
+    assert under_way["t"] == busy_step["t"] + 5 and under_way["seconds"] == 3.0

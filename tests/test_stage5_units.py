@@ -1,5 +1,6 @@
-"""Stage 5's parts without a server: the registry, the window over it, the savings estimate, the logs,
-and the backend that counts each request and each batch (the stage 5 exercise's first check)."""
+"""Stage 5's parts without a server: the registry, the window's readings of it, the savings estimate,
+the logs, and the backend that counts each request and each batch (the stage 5 exercise's first
+check). What the page computes from the readings is tested in the browser (test_stage5_dashboard)."""
 
 from __future__ import annotations
 
@@ -39,108 +40,32 @@ from stage5_metrics.logs import (
 from stage5_metrics.metrics import Metrics
 from stage5_metrics.savings import CostModel
 from stage5_metrics.stage_counts import StageCounts
-from stage5_metrics.views import quantile, series, summary
 from stage5_metrics.window import Window, read
 
 
-class Clock:
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def traffic(metrics: Metrics, n: int, ms: float = 5.0, texts: int = 2, hits: int = 1) -> None:
-    """``n`` embedding requests answered 200, each with ``texts`` texts, and one batch of their misses."""
-    for _ in range(n):
-        metrics.observe_request("/v1/embed", 200, ms / 1e3)
-        metrics.observe_result(texts, 10 * texts, 0.001, 0.002 * hits)
-    metrics.observe_batch(n * (texts - hits), 160, 120, "medium", 0.02, failed=False)
-
-
-def test_percentiles_interpolate_inside_a_bucket() -> None:
-    metrics = Metrics()
-    for ms in range(1, 1001):  # 1 .. 1000 ms, evenly
-        metrics.observe_request("/v1/embed", 200, ms / 1e3)
-    metrics.observe_request("/metrics", 200, 5.0)  # another route: not in the embedding figures
-    empty, snap = Window(metrics).baseline, read(metrics, 0.0)
-    for q, exact in ((0.5, 500.0), (0.95, 950.0), (0.99, 990.0)):
-        got = quantile(empty.latency, snap.latency, q)
-        assert got is not None and abs(got - exact) <= 0.05 * exact, (q, got)
-    assert quantile(snap.latency, snap.latency, 0.5) is None  # no request in between: no percentile
-    assert summary(empty, snap)["latency_ms"]["mean"] == pytest.approx(500.5)
-
-
-def test_last_minute_forgets_and_since_start_remembers() -> None:
-    clock = Clock()
-    metrics = Metrics()
-    window = Window(metrics, clock=clock)
-    window.sample()
-    traffic(metrics, 10)
-    for _ in range(90):  # a sample a second, as the server's task takes them
-        clock.now += 1
-        window.sample()
-    metrics.observe_request("/v1/embed", 503, 0.001)
-    now = window.now()
-    minute, since = summary(window.minute_ago(now), now), summary(window.baseline, now)
-    assert minute["requests"] == 1 and minute["rejections"]["overload"] == 1 and minute["texts"] == 0
-    assert 59 <= minute["seconds"] <= 61
-    assert since["requests"] == 11 and since["texts"] == 20 and since["tokens"] == 200
-    assert since["statuses"] == {"200": 10, "503": 1}
-    assert since["cache"]["deduplicated"] == 0  # stage 4's counts come from the backend (StageCounts)
-    assert since["batches"]["count"] == 1 and since["batches"]["size_distribution"] == {"10": 1}
-    assert since["batches"]["tiers"] == {"low": 0, "medium": 1, "high": 0}
-    assert since["batches"]["padding_ratio"] == 0.25
-    assert since["savings"] == {"model_s_spent": 0.02, "model_s_saved_by_cache": 0.02, "saved_fraction": 0.5}
-    assert since["queue_ms_mean"] == 1.0
-    clock.now += 600  # long after: since start still has it all
-    window.sample()
-    assert summary(window.baseline, window.now())["requests"] == 11
-
-
-def test_cache_figures_come_from_the_tiers() -> None:
-    """A Redis hit follows a memory miss: hits add up over tiers, lookups are the memory tier's."""
-    metrics = Metrics()
-    metrics.earlier_stages.source = lambda: StageCounts(
-        cache_hits={"memory": 6, "redis": 2}, cache_misses={"memory": 4, "redis": 2}, deduplicated=3
-    )
-    cache = summary(Window(metrics).baseline, read(metrics, 1.0))["cache"]
-    assert cache == {"hits": 8, "misses": 2, "hit_rate": 0.8, "deduplicated": 3}
-
-
-def test_series_points_cover_the_window_and_a_pause_is_zero() -> None:
-    clock = Clock(1_000_000.0)
+def test_a_reading_sums_the_embedding_routes_and_the_window_keeps_one_a_step() -> None:
+    """A reading holds running totals only (the page computes rates from two); the window keeps the
+    one read as each 5-second step began, five minutes of them, with the deepest queue of its step."""
+    now = {"t": 1_000_000.0}
     metrics = Metrics()
     depth = {"now": 0}
     metrics.earlier_stages.source = lambda: StageCounts(queue_depth=depth["now"])
-    window = Window(metrics, clock=clock)
-    assert len(series(window)) == 1  # just started: one point
+    window = Window(metrics, clock=lambda: now["t"])
     window.sample()
+    assert list(window.readings) == []  # no step has begun since the start
     for second in range(400):
-        clock.now += 1
-        if second < 30 or second > 380:  # traffic, a pause of almost six minutes, traffic again
-            traffic(metrics, 2)
-            depth["now"] = 7 if second == 385 else 1
-        else:
-            depth["now"] = 0
+        now["t"] += 1
+        metrics.observe_request("/v1/embed", 200, 0.005)
+        metrics.observe_request("/metrics", 200, 5.0)  # another route: not in the page's figures
+        depth["now"] = 7 if second == 385 else 1
         window.sample()
-    points = series(window)
-    # 60 steps of 5 s, less the one under way: it began 0 s ago, too young to draw
-    assert len(points) == 59 and [p["t"] for p in points] == sorted(p["t"] for p in points)
-    assert all(b["t"] - a["t"] == 5 for a, b in itertools.pairwise(points))
-    pause, busy_step = points[10], points[-1]
-    assert pause["requests_per_s"] == 0 and pause["texts_per_s"] == 0 and pause["queue_depth_max"] == 0
-    assert pause["p50_ms"] is None and pause["hit_rate"] is None and pause["avg_batch"] is None
-    assert pause["tiers"] == {"low": 0, "medium": 0, "high": 0}
-    busy = [p for p in points if p["requests_per_s"] > 0]
-    assert busy and all(p["requests_per_s"] == pytest.approx(2.0, abs=0.5) for p in busy[:-1])
-    assert max(p["queue_depth_max"] for p in points) == 7  # the deepest queue of its step
-    assert busy_step["p50_ms"] == pytest.approx(5.0, rel=0.2) and busy_step["avg_batch"] == 2.0
-    assert busy_step["seconds"] == 5.0
-    clock.now += 3  # the step under way is drawn once it is 2 s old, over its own length
-    under_way = series(window)[-1]
-    assert under_way["t"] == busy_step["t"] + 5 and under_way["seconds"] == 3.0
+    kept = list(window.readings)
+    assert len(kept) == 61 and all(b.at - a.at == 5 for a, b in itertools.pairwise(kept))
+    last = kept[-1]
+    assert last.values["requests_total 200"] == int(last.at - 1_000_000.0) == last.latency["+Inf"]
+    assert last.latency["0.005"] == last.latency["+Inf"] and last.latency["0.003"] == 0
+    assert max(r.depth_max for r in kept) == 7  # the deepest queue of its step
+    assert window.now().as_dict()["values"]["requests_total 200"] == 400
 
 
 def test_the_earlier_stages_counts_are_exported_by_name() -> None:
