@@ -177,23 +177,39 @@ def word(r: float | None) -> str:
     return "faster" if round(r, 2) > FASTER else "slower" if round(r, 2) < SLOWER else "about the same"
 
 
-def verdict(first: str, rows: Sequence[tuple[str, float | None]]) -> str:
-    """``first``, then each word with the loads that earn it, each with its ratio: one sentence."""
+def rounds_word(rounds: Sequence[float | None]) -> str:
+    """The word every round earns: a direction (faster, slower) or "about the same" only when every
+    round says it; rounds that disagree are "within noise"."""
+    words = {word(r) for r in rounds}
+    return words.pop() if len(words) == 1 else "within noise"
+
+
+def verdict(first: str, rows: Sequence[tuple[str, float | None, Sequence[float | None]]]) -> str:
+    """``first``, then each word with the loads that earn it, each with its median ratio (and, within
+    noise, the rounds' range): one sentence. The word is every round's (``rounds_word``)."""
     by_word: dict[str, list[str]] = {}
-    for name, r in rows:
-        by_word.setdefault(word(r), []).append(f"{name} ({num(r, 2, '×')})")
+    for name, r, rounds in rows:
+        w = rounds_word(rounds) if rounds else word(r)
+        measured = [x for x in rounds if x is not None]
+        spread = f", rounds {min(measured):.2f}–{max(measured):.2f}×" if w == "within noise" else ""
+        by_word.setdefault(w, []).append(f"{name} ({num(r, 2, '×')}{spread})")
     listed = {w: ", ".join(x[:-1]) + " and " + x[-1] if len(x) > 1 else x[0] for w, x in by_word.items()}
     return f"{first}: " + "; ".join(f"{w} on {x}" for w, x in listed.items()) + "."
 
 
 # --- compare.json and compare.md -------------------------------------------------------
 def summarize(points: list[dict[str, Any]], stages: Sequence[str], profiles: Sequence[str]) -> dict[str, Any]:
-    """Medians over the rounds per load and stage, and each stage over the one before it."""
+    """Medians over the rounds per load and stage, and each stage over the one before it: the
+    median's ratio, each round's (``rounds``) and the word every round earns (``verdict``)."""
     out: dict[str, Any] = {}
     for profile in profiles:
         row = {s: medians([p for p in points if (p["stage"], p["profile"]) == (s, profile)]) for s in stages}
+        rps = {(p["stage"], p["round"]): p["requests_per_s"] for p in points if p["profile"] == profile}
         for before, stage in itertools.pairwise(stages):
             row[stage]["over_previous"] = ratio(row[stage]["requests_per_s"], row[before]["requests_per_s"])
+            rounds = sorted({r for s, r in rps if s == stage})
+            row[stage]["rounds"] = [ratio(rps.get((stage, r)), rps.get((before, r))) for r in rounds]
+            row[stage]["verdict"] = rounds_word(row[stage]["rounds"])
         out[profile] = row
     return out
 
@@ -234,7 +250,7 @@ def markdown(result: dict[str, Any]) -> str:
               _pair(x, y, "p50_ms"), _pair(x, y, "p99_ms"), _pair(x, y, "cpu_ms", 2),
               _pair(x, y, "non_2xx_per_s", 0)) for p, x, y in rows], "l" + "r" * 7),
             "", verdict(f"Stage {b} against stage {a}, in requests a second",
-                        [(p, y["over_previous"]) for p, _, y in rows])]  # fmt: skip
+                        [(p, y["over_previous"], y.get("rounds", [])) for p, _, y in rows])]  # fmt: skip
     alone = {p["name"]: ceiling[p["kind"]]["texts_per_s"] / p["texts"] for p in result["profiles"]}
     sections["all"] = table(["load", *(f"stage {n[s]} req/s" for s in stages), "engine alone, req/s"],
                             [(p, *(num(row[s]["requests_per_s"]) for s in stages), num(alone[p]))

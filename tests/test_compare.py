@@ -7,6 +7,7 @@ word of a verdict agrees with the ratio printed beside it, never speed.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +22,20 @@ def test_a_verdict_word_agrees_with_its_ratio_as_printed() -> None:
     assert [compare.word(r) for r in ratios] == [
         "faster", "faster", "about the same", "about the same", "about the same", "slower", "not measured",
     ]  # fmt: skip
-    sentence = compare.verdict("Stage 2 against stage 1", [("a", 1.3), ("b", 1.0), ("c", 1.01), ("d", 0.5)])
+    rows = [("a", 1.3, [1.2, 1.4]), ("b", 1.0, [1.0, 0.99]), ("c", 1.01, [0.9, 1.1]), ("d", 0.5, [0.5, 0.6])]
+    sentence = compare.verdict("Stage 2 against stage 1", rows)
     assert sentence == (
-        "Stage 2 against stage 1: faster on a (1.30×); about the same on b (1.00×) and c (1.01×);"
-        " slower on d (0.50×)."
+        "Stage 2 against stage 1: faster on a (1.30×); about the same on b (1.00×);"
+        " within noise on c (1.01×, rounds 0.90–1.10×); slower on d (0.50×)."
     )
+
+
+def test_a_direction_is_said_only_when_every_round_says_it() -> None:
+    assert compare.rounds_word([1.2, 1.3, 1.1]) == "faster"
+    assert compare.rounds_word([0.8, 0.9, 0.94]) == "slower"
+    assert compare.rounds_word([1.2, 1.3, 1.0]) == "within noise"  # two faster, one the same
+    assert compare.rounds_word([0.9, 1.1]) == "within noise"
+    assert compare.rounds_word([1.0, 1.04, 0.96]) == "about the same"
 
 
 def test_compare_takes_the_median_round_and_each_stage_over_the_one_before() -> None:
@@ -38,6 +48,10 @@ def test_compare_takes_the_median_round_and_each_stage_over_the_one_before() -> 
     row = compare.summarize(points, stages, ["unique-32"])["unique-32"]
     assert row["stage2_threadpool"]["requests_per_s"] == 151.5  # the median round
     assert row["stage2_threadpool"]["over_previous"] == 1.5 and "over_previous" not in row["stage1_naive"]
+    assert (
+        row["stage2_threadpool"]["rounds"] == [1.5, 1.5, 1.5]
+        and row["stage2_threadpool"]["verdict"] == "faster"
+    )
     assert row["stage1_naive"]["p99_ms"] is None  # no answer had a latency: not a zero
 
 
@@ -46,8 +60,8 @@ def _verdict_words(sentence: str) -> dict[str, str]:
     words = {}
     for part in sentence.split(": ", 1)[1].rstrip(".").split("; "):
         word, loads = part.split(" on ", 1)
-        for load_ in loads.replace(" and ", ", ").split(", "):
-            words[load_.split(" (")[0]] = word
+        for load_ in re.sub(r" \([^)]*\)", "", loads).replace(" and ", ", ").split(", "):
+            words[load_] = word
     return words
 
 
@@ -82,11 +96,12 @@ def test_quick_compare_writes_every_section_and_words_that_agree_with_the_ratios
     sentence = next(line for line in section.splitlines() if line.startswith("Stage 4 against stage 1"))
     said = _verdict_words(sentence)
     for load_, row in result["summary"].items():
-        r = row["stage4_cache_backpressure"]["over_previous"]
-        expected = "not measured" if r is None else "faster" if round(r, 2) > 1.05 else (
-            "slower" if round(r, 2) < 0.95 else "about the same")  # fmt: skip
-        assert said[load_] == expected, (load_, r, sentence)
-        assert r is None or f"{load_} ({r:.2f}×)" in sentence
+        r, rounds = (
+            row["stage4_cache_backpressure"]["over_previous"],
+            row["stage4_cache_backpressure"]["rounds"],
+        )
+        assert said[load_] == row["stage4_cache_backpressure"]["verdict"] == compare.rounds_word(rounds)
+        assert r is None or f"{load_} ({r:.2f}×" in sentence
     assert "Stage 1 at 32 connections against 1:" in md.split("[start:stage1]")[1]
 
 
