@@ -64,11 +64,12 @@ clean:
 # The programs the tests and the measuring kit run, from Debian's packages (nothing is downloaded).
 # When any is missing, one apt-get call installs them all (it skips those already there);
 # tests/test_tools.py checks that every program a test or the kit starts is installed here.
-## tools: Debian's chromium, prometheus (with promtool), wrk and redis-server, where missing
+## tools: Debian's chromium, prometheus (with promtool), wrk, redis-server, buildah and debootstrap, where missing
 tools:
-	@for tool in chromium prometheus promtool wrk redis-server; do command -v $$tool >/dev/null || missing=1; done; \
+	@for tool in chromium prometheus promtool wrk redis-server buildah debootstrap; do \
+		command -v $$tool >/dev/null || missing=1; done; \
 	test -z "$$missing" || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-		--no-install-recommends chromium fonts-liberation prometheus wrk redis-server >/dev/null)
+		--no-install-recommends chromium fonts-liberation prometheus wrk redis-server buildah debootstrap >/dev/null)
 
 ## test: the whole suite against the real model, real sockets, real Redis, real browser
 test: setup tools
@@ -165,8 +166,12 @@ soak: setup
 evidence-check: $(VENV)/.installed
 	$(PY) -m benchmarks.evidence_check
 
-#> deploy: beyond one machine, Ray Serve across nodes (docs/beyond.md)
-.PHONY: cluster cluster-down cluster-status
+#> deploy: beyond one machine, an image and Ray Serve across nodes (docs/beyond.md)
+.PHONY: image cluster cluster-down cluster-status
+
+## image: the stage 5 image of deploy/docker/Dockerfile, kept while its files are unchanged (docker where an engine runs, else buildah on Debian's packages; RUN=1: serve it on PORT)
+image: $(VENV)/.installed tools
+	$(PY) -m deploy.docker.image $(if $(RUN),run,build)
 
 ## cluster: two Ray nodes here (head + worker), stage 5 on Ray Serve with one replica a node, on HOST:PORT
 cluster: setup $(VENV)/.cluster
