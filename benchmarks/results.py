@@ -109,6 +109,10 @@ STEPS: tuple[Step, ...] = (
     # 3 points of 8 s each a setup
     Step("beyond", "stage 5 as 2 workers and on the Ray cluster, both designs, against plain stage 5",
          "benchmarks.beyond", ("beyond.json",), 3.5, 2.5),
+    # 3 rounds x (the image's start + make stage5's, a few seconds each); a build first when the
+    # image's files changed (the first one, with the base and the model: many minutes)
+    Step("image", "the stage 5 image beside make stage5: its size, its start to the first 200",
+         "benchmarks.image", ("image.json",), 1, 0.5),
     Step("settings", "settings table (from the code)", "benchmarks.settings_doc", ("settings.md",), 0.1, 0.1,
          stamped=False),
     Step("metrics", "metrics reference (from the code)", "benchmarks.metrics_reference",
