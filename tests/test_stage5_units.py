@@ -125,7 +125,9 @@ def test_log_formats() -> None:
 @pytest.fixture
 def log_stream() -> Iterator[io.StringIO]:
     """The request log's handler, writing to a string for the test, its thread started as the
-    lifespan starts it (stopped after, as the lifespan's end stops it)."""
+    lifespan starts it (stopped after, as the lifespan's end stops it). A handler an earlier app of
+    this process left (built, never served) goes first, with the lines it queued."""
+    stop_logging()
     configure_logging(Settings())
     queued = logging.getLogger("embedserve").handlers[0]
     stream = io.StringIO()
