@@ -88,6 +88,7 @@ def test_the_image_runs_as_its_user_without_torch_and_its_model_matches_the_mani
     config = inspect(image.engine, image.tag)
     assert config["User"] == f"{USER}:{USER}"
     assert config["Cmd"] == ["python", "-m", "common.serve", "stage5"]
+    assert config["Healthcheck"]["Test"] == ["CMD", "python", "-m", "deploy.docker.healthcheck"]
     seen = json.loads(run_once(image, ["python", "-c", IN_THE_IMAGE]))
     assert seen["uid"] == USER  # a command run with no --user runs as the image's user
     assert not seen["torch"], "the runtime image has torch"

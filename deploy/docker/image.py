@@ -90,9 +90,8 @@ def inspect(kind: str, tag: str) -> dict[str, Any]:
         data = json.loads(_out(DOCKER, "image", "inspect", tag))[0]
         return {**data["Config"], "Size": data["Size"]}
     data = json.loads(_out("buildah", "inspect", "--type", "image", tag))
-    config = data["OCIv1"]["config"]
     layers = json.loads(data["Manifest"])["layers"]  # uncompressed tars in local storage, as Docker's Size
-    return {**{k[0].upper() + k[1:]: v for k, v in config.items()}, "Size": sum(x["size"] for x in layers)}
+    return {**data["Docker"]["config"], "Size": sum(x["size"] for x in layers)}
 
 
 # --- the base, from Debian's packages -------------------------------------------------------------
