@@ -2,7 +2,7 @@
 
     python -m benchmarks.compare                     # about 5 minutes; run it on a quiet machine
     python -m benchmarks.compare --quick             # about a minute: does it all work?
-    python -m benchmarks.compare --against 5b1685e   # that commit's stages and this checkout's, in turns
+    python -m benchmarks.compare --against 31e7b5d   # that commit's stages and this checkout's, in turns
 
 Every server stage starts as ``make stageN`` starts it, all at once, and they take turns under the
 same ``wrk`` load (stage 1 2 3 4 5, then again; medians over the rounds), so a drift of the shared

@@ -81,7 +81,7 @@ STEPS: tuple[Step, ...] = (
     # 5 stages x 2 profiles x 2 commits x 3 rounds x (2 s + about 0.8 s), and 10 start-ups
     Step("before-after", "stages 1 to 5 of a fixed reference commit and of this checkout, in turns",
          "benchmarks.compare", ("before_after.json",), 3.3, 1,
-         args=("--against", "5b1685e", "--profiles", "unique-32,unique-128", "--rounds", "3"),
+         args=("--against", "31e7b5d", "--profiles", "unique-32,unique-128", "--rounds", "3"),
          render="against_markdown"),
     # 2 stages x 2 profiles x 2 commits x 3 rounds x (2 s + about 0.8 s), and 4 start-ups
     Step("idiom", "stages 4 and 5 with FastAPI's @app.middleware (commit d5f0201) and as shipped, in turns",
