@@ -17,9 +17,17 @@ from common.settings import Settings
 class NullBackend:
     """Answers without the model: what a request still costs is the contract's own work."""
 
+    draining = False
+
     def __init__(self, engine: Engine, settings: Settings) -> None:
         self.engine = engine
         self.vectors = l2_normalize(np.ones((settings.max_items, engine.dimensions), np.float32))
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
 
     async def embed(self, job: EmbedJob) -> EmbedResult:
         tokens = await tokenize(self.engine, job)  # every stage tokenizes; only the model is left out
