@@ -148,23 +148,29 @@ class Batcher:
     # --8<-- [end:state]
 
     # --8<-- [start:submit_method]
-    async def submit(self, tokens: Sequence[TokenizedText], *, deadline: float | None = None) -> BatchOutcome:
-        """Queue the texts, wait for all their vectors (in order)."""
+    def enqueue(
+        self, tokens: Sequence[TokenizedText], *, deadline: float | None = None
+    ) -> asyncio.Future[BatchOutcome]:
+        """Queue the texts with one future, which resolves with all their vectors (in order).
+        Cancelling it (the caller left) skips its texts still queued."""
         if self._closing or self._task is None or self._task.done():
             raise NotReady("the batcher is not running")
-        if not tokens:
-            return BatchOutcome(np.zeros((0, 0), np.float32), 0.0, 0.0, [])
         loop = asyncio.get_running_loop()
         req = PendingRequest(loop.create_future(), len(tokens), deadline)
+        if not tokens:
+            req.future.set_result(BatchOutcome(np.zeros((0, 0), np.float32), 0.0, 0.0, []))
+            return req.future
         self._queue.extend(QueuedText(req, i, t.ids, t.n_tokens) for i, t in enumerate(tokens))
-        timer = None if deadline is None else loop.call_later(deadline - time.monotonic(), self._expire, req)
+        if deadline is not None:
+            timer = loop.call_later(deadline - time.monotonic(), self._expire, req)
+            req.future.add_done_callback(lambda _: timer.cancel())  # however the request ends
         if self._idle or len(self._queue) >= self.settings.max_batch_size:
             self._wakeup.set()  # wake the loop only when it has something to decide
-        try:
-            return await req.future  # cancelled with the caller: its queued texts are skipped
-        finally:
-            if timer is not None:
-                timer.cancel()
+        return req.future
+
+    async def submit(self, tokens: Sequence[TokenizedText], *, deadline: float | None = None) -> BatchOutcome:
+        """Queue the texts, wait for all their vectors (in order); cancelled with the caller."""
+        return await self.enqueue(tokens, deadline=deadline)
 
     def _expire(self, req: PendingRequest) -> None:
         """The deadline passed. Only a caller still wholly queued gets its 504."""

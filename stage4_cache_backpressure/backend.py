@@ -155,11 +155,11 @@ class CacheBackend:
         """Step 5: a text still queued when the deadline passes (504) or when the client hangs up
         (499) is dropped, never run."""
         self.admission.check(len(tokens))  # again: a long input was tokenized in a thread meanwhile
-        work = self.batcher.submit(tokens, deadline=job.deadline)
+        pending = self.batcher.enqueue(tokens, deadline=job.deadline)
         try:
             if job.receive is None:
-                return await work
-            return await unless_client_leaves(work, job.receive)  # NEW: hang up, drop the work
+                return await pending
+            return await unless_client_leaves(pending, job.receive)  # NEW: hang up, drop the work
         except APIError:
             raise
         except Exception as exc:  # the model raised for this request's texts

@@ -152,7 +152,7 @@ def markers(outcome: BatchOutcome) -> list[int]:
 async def test_one_request_goes_the_whole_way_through_the_batcher(
     model: FakeModel, records: list[BatchRecord], kind: Kind
 ) -> None:
-    """One request of two texts: ``submit`` queues them with one future, the loop waits for them
+    """One request of two texts: ``enqueue`` queues them with one future, the loop waits for them
     (``_wait_for_batch``), takes them into a batch (``_take``), runs the batch in a model slot
     (``_run_batch``, with ``_run_rows`` in the slot's thread) and hands back both vectors, in order,
     from one batch of two. It runs first: with ``make exercise STAGE=3`` it names the first method

@@ -67,7 +67,7 @@ class Model:
 
 # --8<-- [start:handle]
 class ModelHandle(Batcher):
-    """Stage 3's batcher as stages 4 and 5 use it (``submit``, ``queue_depth``), its batches formed
+    """Stage 3's batcher as stages 4 and 5 use it (``enqueue``, ``queue_depth``), its batches formed
     by the model deployment: each text one call through the handle."""
 
     def __init__(self, model: DeploymentHandle, settings: Settings) -> None:
@@ -85,7 +85,12 @@ class ModelHandle(Batcher):
     async def close(self) -> None:  # Serve drains the replica's requests (graceful_shutdown_timeout_s)
         pass
 
-    async def submit(self, tokens: Sequence[TokenizedText], *, deadline: float | None = None) -> BatchOutcome:
+    def enqueue(
+        self, tokens: Sequence[TokenizedText], *, deadline: float | None = None
+    ) -> asyncio.Future[BatchOutcome]:
+        return asyncio.create_task(self._ask(tokens, deadline))  # cancelled: its Ray calls are too
+
+    async def _ask(self, tokens: Sequence[TokenizedText], deadline: float | None) -> BatchOutcome:
         started = time.perf_counter()
         calls = [self.model.embed.remote(t.ids) for t in tokens]
         self.waiting += len(calls)

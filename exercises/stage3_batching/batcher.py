@@ -8,7 +8,7 @@ model raises, every caller of that batch gets the error. Chapter: docs/stage3.md
 (the refinements after it are not part of this exercise).
 
 Write the five methods below, in the order a request meets them (and the first test names
-them): ``Batcher.submit``, ``Batcher._wait_for_batch``, ``Oldest.take`` (which texts a batch
+them): ``Batcher.enqueue``, ``Batcher._wait_for_batch``, ``Oldest.take`` (which texts a batch
 takes), ``Batcher._run_batch`` (the fan-out) and ``Batcher._run_rows`` (in the model thread: one
 call, its errors kept by row).
 
@@ -43,7 +43,7 @@ Hints:
 
 from __future__ import annotations
 
-import asyncio  # noqa: F401 (yours to use: Event, timeout, the running loop)
+import asyncio
 import time  # noqa: F401 (yours to use: perf_counter, monotonic)
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -93,24 +93,29 @@ class Batcher(stage.Batcher):
             split=split, retry=retry,
         )  # fmt: skip
 
-    async def submit(self, tokens: Sequence[TokenizedText], *, deadline: float | None = None) -> BatchOutcome:
-        """Queue the texts, wait for all their vectors (in order).
+    def enqueue(
+        self, tokens: Sequence[TokenizedText], *, deadline: float | None = None
+    ) -> asyncio.Future[BatchOutcome]:
+        """Queue the texts with one future, which resolves with all their vectors (in order).
 
         TODO:
-        1. No texts: answer at once, ``BatchOutcome(np.zeros((0, 0), np.float32), 0.0, 0.0, [])``.
-        2. One ``PendingRequest`` for the caller (a new future, ``len(tokens)`` texts left, the
-           deadline), and one ``QueuedText`` per text at the end of ``self._queue`` (its index in
-           the caller's list, its ``ids`` and ``n_tokens``).
-        3. A deadline (``time.monotonic()``, the event loop's clock): at that moment call
-           ``self._expire(req)`` (``loop.call_later``).
-        4. Wake the loop (``self._wakeup``) when it waits for a first text (``self._idle``) or
-           when a full batch (MAX_BATCH_SIZE texts) is queued.
-        5. Await the future; however that ends, cancel the deadline's timer.
+        1. One ``PendingRequest`` for the caller (a new future from
+           ``asyncio.get_running_loop().create_future()``, ``len(tokens)`` texts left, the deadline).
+        2. No texts: resolve its future at once with
+           ``BatchOutcome(np.zeros((0, 0), np.float32), 0.0, 0.0, [])`` and return it.
+        3. One ``QueuedText`` per text at the end of ``self._queue`` (its index in the caller's
+           list, its ``ids`` and ``n_tokens``).
+        4. A deadline (``time.monotonic()``, the event loop's clock): at that moment call
+           ``self._expire(req)`` (``loop.call_later``), and cancel that timer however the future
+           ends (``future.add_done_callback``).
+        5. Wake the loop (``self._wakeup``) when it waits for a first text (``self._idle``) or
+           when a full batch (MAX_BATCH_SIZE texts) is queued; return the future.
+        ``submit`` (given) awaits it.
         """
         if self._closing or self._task is None or self._task.done():
             raise NotReady("the batcher is not running")
         raise NotImplementedError(
-            "TODO (exercises/stage3_batching/batcher.py): submit, queue the texts with a future, await it"
+            "TODO (exercises/stage3_batching/batcher.py): enqueue, queue the texts with one future"
         )
 
     async def _wait_for_batch(self) -> str | None:
