@@ -7,10 +7,9 @@ thread, BATCH_CONCURRENCY batches side by side. Each caller gets its own rows; i
 raises, every caller of that batch gets the error; a caller that is gone (cancelled, past its
 deadline) is dropped before the model. Ray Serve's ``batching.py`` has the same shape.
 
-Five points of it are small policies, each in its textbook form unless ``refined.py`` passes a
-refinement: how long a batch waits (``window``), which texts it takes (``Oldest``), how many
-batches the model slots get and how big (``Slots``), how a batch runs as model calls (``split``)
-and what a failed call runs again (``retry``).
+Five points are small policies, textbook unless ``refined.py`` passes a refinement: how long a
+batch waits (``window``), which texts it takes (``Oldest``), how many batches the slots get and
+how big (``Slots``), how a batch runs as calls (``split``), what a failed call reruns (``retry``).
 """
 
 from __future__ import annotations
@@ -39,9 +38,8 @@ Model = Callable[[list[np.ndarray]], np.ndarray]  # token ids of each text -> on
 
 
 # --8<-- [start:policies]
-# The policies' shapes: a queue depth -> (its load tier, how long a batch may wait for more texts,
-# from its oldest text's arrival); a batch -> its rows, one list per model call; a failed call's
-# rows -> the parts to run again.
+# A queue depth -> (its load tier, how long a batch may wait for more texts, from its oldest text's
+# arrival); a batch -> its rows, a list per model call; a failed call's rows -> the parts to rerun.
 Window = Callable[[int], tuple[str, float]]
 Split = Callable[[list[QueuedText]], list[list[int]]]
 Retry = Callable[[list[int]], list[list[int]]]
@@ -169,8 +167,7 @@ class Batcher:
         return req.future
 
     async def submit(self, tokens: Sequence[TokenizedText], *, deadline: float | None = None) -> BatchOutcome:
-        """Queue the texts, wait for all their vectors (in order); cancelled with the caller."""
-        return await self.enqueue(tokens, deadline=deadline)
+        return await self.enqueue(tokens, deadline=deadline)  # cancelled with the caller
 
     def _expire(self, req: PendingRequest) -> None:
         """The deadline passed. Only a caller still wholly queued gets its 504."""
