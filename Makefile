@@ -143,10 +143,11 @@ SOAK_SECONDS ?=
 $(VENV)/.cluster: pyproject.toml | $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[cluster]'
 	touch $@
-NEEDS_CLUSTER = $(if $(ONLY),$(findstring beyond,$(ONLY)),yes)
+# A listing (LIST=1) runs nothing: it needs the venv only, not the tools, the model or Ray.
+NEEDS_CLUSTER = $(if $(LIST),,$(if $(ONLY),$(findstring beyond,$(ONLY)),yes))
 
 ## results: every results file, table and picture the docs include, in order (ONLY=stage3,soak: some steps; FROM=step: from there on; LIST=1: the steps and their estimates)
-results: setup tools $(if $(NEEDS_CLUSTER),$(VENV)/.cluster)
+results: $(if $(LIST),$(VENV)/.installed,setup tools) $(if $(NEEDS_CLUSTER),$(VENV)/.cluster)
 	$(PY) -m benchmarks.results $(EVIDENCE) $(if $(ONLY),--only $(ONLY)) $(if $(FROM),--from $(FROM)) \
 		$(if $(LIST),--list) $(ARGS)
 

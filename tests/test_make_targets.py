@@ -177,3 +177,19 @@ def test_the_docs_name_only_steps_make_results_has() -> None:
     }
     unknown = sorted((page, step) for page, step in named if step not in steps)
     assert not unknown, unknown
+
+
+def test_a_listing_of_the_results_steps_installs_nothing() -> None:
+    """`make results LIST=1` prints the steps: it neither installs Ray (an optional extra) nor the
+    tools, nor builds the model; a full run needs all three (make -n prints what would run)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS")}
+
+    def dry(*args: str) -> str:
+        done = subprocess.run(["make", "-n", "-B", "--no-print-directory", "results", *args], cwd=REPO,
+                              env=env, capture_output=True, text=True, check=True)  # fmt: skip
+        return done.stdout
+
+    listing, run = dry("LIST=1"), dry()
+    assert "--list" in listing and ".[cluster]" not in listing and "apt-get" not in listing
+    assert "build_model" not in listing
+    assert ".[cluster]" in run and "build_model" in run
