@@ -84,7 +84,8 @@ def markdown(result: dict[str, Any]) -> str:
         f" {build['int8_default_why'] or 'the build recorded no reason'}."
     )
     variants = table(
-        ["variant", "file MB", "STS-B Spearman ×100", "mean cosine to fp32", "min cosine to fp32",
+        ["variant", "file MB", f"STS-B Spearman ×100, {study['stsb_pairs']} pairs", "mean cosine to fp32",
+         "min cosine to fp32",
          "texts/CPU-s, 1 text", "× int8-dynamic", "texts/CPU-s, batch 16", "× int8-dynamic",
          "max difference, alone vs in a batch"],
         [(r["name"], num(r["bytes"] / 1e6), num(r["stsb_spearman_x100"], 2), _cos(r, "mean_cosine_to_fp32"),
