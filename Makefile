@@ -51,9 +51,9 @@ STAGE ?= 5
 WEB_PORT ?= 8089
 PROFILE ?= unique-32
 DURATION ?= 30
-## loadtest: Locust's web UI on WEB_PORT against HOST:PORT, starting stage STAGE if nothing answers (HEADLESS=1: PROFILE for DURATION s, files in out/loadtest/)
+## loadtest: Locust's web UI on WEB_PORT against HOST:PORT, starting stage STAGE if nothing answers (HEADLESS=1: PROFILE for DURATION s, files in out/loadtest/; COMPARE=3,4: those stages side by side, a user class each)
 loadtest: setup
-	$(PY) -m loadtests.run --stage $(STAGE) --web-port $(WEB_PORT) \
+	$(PY) -m loadtests.run --stage $(STAGE) --web-port $(WEB_PORT) $(if $(COMPARE),--compare $(COMPARE)) \
 		$(if $(HEADLESS),--headless --profile $(PROFILE) --duration $(DURATION)) $(ARGS)
 
 ## clean: remove .venv, the model and every cache

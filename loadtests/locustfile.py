@@ -110,6 +110,7 @@ class _EmbedUser(FastHttpUser):
     abstract = True
     wait_time = constant(0)
     text_kind: str | None = None  # None: the --text-kind option
+    stage = ""  # the stage this class loads, when the web UI compares stages (names its rows)
 
     def on_start(self) -> None:
         opts = self.environment.parsed_options
@@ -124,7 +125,7 @@ class _EmbedUser(FastHttpUser):
             self.headers["Authorization"] = f"Bearer {opts.api_key}"
         self.openai = opts.endpoint == "/v1/embeddings"
         # One row per user class in Locust's tables, so mixed classes in the web UI stay apart.
-        self.request_name = f"{opts.endpoint} {type(self).__name__}"
+        self.request_name = f"{opts.endpoint} {self.stage or type(self).__name__}"
 
     def next_text(self) -> str:
         return next(self.texts)
@@ -204,6 +205,16 @@ class ThinkingUser(_EmbedUser):
 
 
 # --8<-- [end:users]
+
+
+# --8<-- [start:compare]
+# `make loadtest COMPARE=3,4`: a user class per stage, each with its own server's URL (``host``), so
+# one web UI loads them at once and its statistics show them side by side, a row per stage. The
+# launcher (loadtests/run.py) starts the stages and names them here: "stage=url,stage=url".
+for _stage, _, _url in (p.partition("=") for p in os.environ.get("EMBEDSERVE_COMPARE", "").split(",") if p):
+    _name = "Stage" + _stage.removeprefix("stage").split("_")[0] + "User"  # Stage3User, Stage4User
+    globals()[_name] = type(_name, (UniqueTextUser,), {"host": _url, "stage": _stage, "__module__": __name__})
+# --8<-- [end:compare]
 
 
 # --- the run report: the measured window, the load generator's CPU and the server's -----------

@@ -2,6 +2,7 @@
 
     python -m loadtests.run --stage 5                  # UI on http://127.0.0.1:8089
     python -m loadtests.run --stage 3 --headless       # unique-32 for 30 s, files in out/loadtest/
+    python -m loadtests.run --compare 3,4              # stages 3 and 4 side by side in the web UI
 
 If a server already answers /ready on HOST:PORT it is used as it is (its process found by its
 port, so its CPU is counted); otherwise stage N is started with the command `make stageN` runs,
@@ -76,19 +77,31 @@ def server_for(stage: str, host: str, port: int, out: Path) -> Iterator[int | No
         yield server.pid
 
 
-def web_ui(url: str, web_host: str, web_port: int, extra: Sequence[str]) -> int:
+def web_ui(
+    url: str, web_host: str, web_port: int, extra: Sequence[str], compare: dict[str, str] | None = None
+) -> int:
+    """Locust's web UI on ``url``; with ``compare`` (stage -> url), a user class per stage as well."""
     command = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", url,
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE),
+        *(() if compare else ("--host", url)),  # a host given would override each stage's own
         "--web-host", web_host, "--web-port", str(web_port), "--class-picker", *extra,
     ]  # fmt: skip
+    env = {**os.environ, "EMBEDSERVE_COMPARE": ",".join(f"{s}={u}" for s, u in (compare or {}).items())}
     print(f"Locust web UI: http://{web_host}:{web_port}  (Ctrl-C stops Locust and the server)", flush=True)
-    locust = subprocess.Popen(command, cwd=REPO)
+    if compare:
+        picks = " and ".join(_user_class(s) for s in compare)
+        print(f"in the form, pick {picks} only, and leave Host empty: each has its own", flush=True)
+    locust = subprocess.Popen(command, cwd=REPO, env=env)
     try:
         return locust.wait()
     finally:
         if locust.poll() is None:
             locust.terminate()
             locust.wait(timeout=20)
+
+
+def _user_class(stage: str) -> str:
+    return "Stage" + stage.removeprefix("stage").split("_")[0] + "User"  # as the locustfile names it
 
 
 def warm_up(url: str, seconds: float, clients: int = 4) -> None:
@@ -164,12 +177,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=OUT, help="Folder for results and the server log.")
     parser.add_argument("--web-host", default="127.0.0.1")
     parser.add_argument("--web-port", type=int, default=8089)
+    parser.add_argument(
+        "--compare", help="Stages to load side by side in the web UI, on PORT, PORT+1, ... (e.g. 3,4)."
+    )
     args, extra = parser.parse_known_args(argv)  # anything else goes to Locust (UI mode)
     stage = resolve(args.stage)
     host, port = os.environ.get("HOST", "127.0.0.1"), int(os.environ.get("PORT", "8000"))
     # SIGTERM (from a test, or a process manager) unwinds like Ctrl-C: Locust and the server stop.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.compare:
+        stages = [resolve(s.strip()) for s in args.compare.split(",")]
+        with contextlib.ExitStack() as stack:
+            urls = {s: f"http://{host}:{port + i}" for i, s in enumerate(stages)}
+            for i, s in enumerate(stages):
+                stack.enter_context(server_for(s, host, port + i, args.out))
+            with contextlib.suppress(KeyboardInterrupt):
+                web_ui(urls[stages[0]], args.web_host, args.web_port, extra, compare=urls)
+        return
     with server_for(stage, host, port, args.out) as pid:
         url = f"http://{host}:{port}"
         if args.headless:

@@ -37,10 +37,12 @@ USER_CLASSES = (
 
 
 def _locust(
-    host: str, prefix: Path, seconds: int, users: int, *args: str, env: dict[str, str] | None = None
+    host: str | None, prefix: Path, seconds: int, users: int, *args: str, env: dict[str, str] | None = None
 ) -> list[dict]:
+    """A headless Locust run; ``host`` None: each user class's own (a --host would override them)."""
     command = [
-        sys.executable, "-m", "locust", "-f", "loadtests/locustfile.py", "--headless", "--host", host,
+        sys.executable, "-m", "locust", "-f", "loadtests/locustfile.py", "--headless",
+        *(("--host", host) if host else ()),
         "-u", str(users), "-r", str(users), "-t", f"{seconds}s", "--reset-stats", "--only-summary",
         "--json-file", str(prefix), "--run-report", f"{prefix}_report.json", "--exit-code-on-error", "0",
         *args,
@@ -93,6 +95,26 @@ def test_the_api_key_comes_from_the_environment(tmp_path: Path) -> None:
     assert ok[0]["num_requests"] > 0 and ok[0]["num_failures"] == 0
     assert wrong[0]["num_requests"] > 0 and wrong[0]["num_failures"] == wrong[0]["num_requests"]
     assert list(json.loads((tmp_path / "no_report.json").read_text())["errors"]) == ["HTTP 401"]
+
+
+def test_two_stages_side_by_side_each_in_its_own_rows(tmp_path: Path) -> None:
+    """`make loadtest COMPARE=2,3`'s locustfile: a user class per stage, each sending to its own
+    server, so one Locust run (the web UI's, here headless) reports each stage in its own row."""
+    from tests.conftest import run_server
+
+    with (
+        run_server("stage2_threadpool", tmp_path / "2") as two,
+        run_server("stage3_batching", tmp_path / "3") as three,
+    ):
+        env = {**os.environ, "EMBEDSERVE_COMPARE": f"stage2_threadpool={two.url},stage3_batching={three.url}"}
+        entries = _locust(None, tmp_path / "both", 3, 4, "Stage2User", "Stage3User", env=env)
+        batched = httpx.get(f"{three.url}/v1/batcher/metrics").json()["texts"]
+    by_name = {e["name"]: e for e in entries}
+    assert set(by_name) == {"/v1/embed stage2_threadpool", "/v1/embed stage3_batching"}
+    for entry in by_name.values():
+        assert entry["num_requests"] > 0 and entry["num_failures"] == 0, by_name
+    # stage 3's own count: its user class, and only it, sent to stage 3's server (one text a request)
+    assert batched == by_name["/v1/embed stage3_batching"]["num_requests"]
 
 
 def test_a_wrong_vector_count_is_a_failure(tmp_path: Path) -> None:
