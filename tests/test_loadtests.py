@@ -113,8 +113,12 @@ def test_two_stages_side_by_side_each_in_its_own_rows(tmp_path: Path) -> None:
     assert set(by_name) == {"/v1/embed stage2_threadpool", "/v1/embed stage3_batching"}
     for entry in by_name.values():
         assert entry["num_requests"] > 0 and entry["num_failures"] == 0, by_name
-    # stage 3's own count: its user class, and only it, sent to stage 3's server (one text a request)
-    assert batched == by_name["/v1/embed stage3_batching"]["num_requests"]
+    # stage 3's own count: its user class, and only it, sent to stage 3's server (one text a request;
+    # Locust leaves out what its 2 users had in flight when it reset or stopped its statistics)
+    sent_to_three, sent_to_two = (
+        by_name[f"/v1/embed {s}"]["num_requests"] for s in ("stage3_batching", "stage2_threadpool")
+    )
+    assert 0 <= batched - sent_to_three <= 4 < sent_to_two, (batched, sent_to_three, sent_to_two)
 
 
 def test_a_wrong_vector_count_is_a_failure(tmp_path: Path) -> None:
