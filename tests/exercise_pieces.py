@@ -40,12 +40,19 @@ def stage0_engine() -> tuple[type[Engine], Callable[[np.ndarray], np.ndarray]]:
     return Engine, l2_normalize
 
 
-def textbook_batcher() -> type[Batcher]:
-    """``stage3_batching.batcher.Batcher``, or yours from ``exercises/stage3_batching/batcher.py``."""
+def textbook_batcher() -> Callable[..., Batcher]:
+    """``stage3_batching.batcher.Batcher``, or yours from ``exercises/stage3_batching/batcher.py``,
+    taking its texts with your ``Oldest`` unless a test passes another take."""
     if EXERCISE:
         from exercises.stage3_batching.batcher import Batcher as Yours
+        from exercises.stage3_batching.batcher import Oldest as YourOldest
 
-        return Yours  # type: ignore[return-value]
+        def yours(run: Any, settings: Any, **policies: Any) -> Batcher:
+            policies["order"] = policies.get("order") or YourOldest(settings)
+            return Yours(run, settings, **policies)  # type: ignore[no-any-return]
+
+        yours.__name__ = "Batcher"  # the tests' ids name it as they name the stage's
+        return yours
     from stage3_batching.batcher import Batcher
 
     return Batcher

@@ -19,6 +19,8 @@ fields you use), ``_loop`` (which calls your methods), ``_take`` (which calls yo
 ``_gone``, ``_expire`` and ``_compute``. Do not read the bodies of the five methods there: they
 are the solution.
 
+The tests build your ``Batcher`` with your ``Oldest`` as its take.
+
 Check your work (stage 3's own batcher tests, those of the textbook batcher, run against this class):
 
     make exercise STAGE=3
@@ -46,15 +48,14 @@ from __future__ import annotations
 import asyncio
 import time  # noqa: F401 (yours to use: perf_counter, monotonic)
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from common.engine import TokenizedText
 from common.limits import NotReady
-from common.settings import Settings
 from stage3_batching import batcher as stage
-from stage3_batching.batcher import Gone, Model, Retry, Slots, Split, Window
+from stage3_batching.batcher import Gone
 from stage3_batching.pending import BatchOutcome, BatchRecord, Computed, PendingRequest, QueuedText, fits  # noqa: F401
 
 
@@ -75,24 +76,6 @@ class Oldest(stage.Oldest):
 
 
 class Batcher(stage.Batcher):
-    def __init__(
-        self,
-        run: Model,
-        settings: Settings,
-        *,
-        on_batch: Callable[[BatchRecord], None] | None = None,
-        window: Window | None = None,
-        order: Oldest | None = None,
-        slots: Slots | None = None,
-        split: Split | None = None,
-        retry: Retry | None = None,
-    ) -> None:
-        """Given: the stage's batcher, taking its texts with your ``Oldest`` unless told otherwise."""
-        super().__init__(
-            run, settings, on_batch=on_batch, window=window, order=order or Oldest(settings), slots=slots,
-            split=split, retry=retry,
-        )  # fmt: skip
-
     def enqueue(
         self, tokens: Sequence[TokenizedText], *, deadline: float | None = None
     ) -> asyncio.Future[BatchOutcome]:
