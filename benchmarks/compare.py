@@ -5,9 +5,12 @@
     python -m benchmarks.compare --against 31e7b5d   # that commit's stages and this checkout's, in turns
 
 Every server stage starts as ``make stageN`` starts it, all at once, and they take turns under the
-same ``wrk`` load (stage 1 2 3 4 5, then again; medians over the rounds), so a drift of the shared
-machine hits every stage alike; each settles (idle again) before its point. Every stage runs with
-MAX_QUEUE=256 and without CACHE_URL (a shared Redis would keep answers from one run to the next).
+same load from Locust (the Locust file's ``BodiesUser``; stage 1 2 3 4 5, then again; medians over
+the rounds), so a drift of the shared machine hits every stage alike; each settles (idle again)
+before its point. Every point records Locust's own CPU (``load_generator_cpu``). On the loads of
+``--wrk-profiles`` wrk sends the same bodies too, in the same turns: how far the two tools agree.
+Every stage runs with MAX_QUEUE=256 and without CACHE_URL (a shared Redis would keep answers from
+one run to the next).
 ``--against COMMIT``: that commit's stages (a git worktree under out/, this venv and model) and
 this checkout's, all at once, in turns (A B, then B A); a point that loses more than 5 % in every
 round is flagged and the command exits 1 (a median one round drags down is noise).
@@ -30,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import psutil
 
 from common import corpus
 from common.engine import Engine
@@ -43,6 +45,7 @@ from loadtests.tables import num, page, stage_label, table
 CEILING_SEED = 7
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 ENV, WITHOUT = {"MAX_QUEUE": "256"}, ("CACHE_URL",)
+TOOL = "locust"  # the load generator of every table; wrk only beside it (--wrk-profiles)
 FASTER, SLOWER = 1.05, 0.95  # between them a ratio is "about the same"; under SLOWER, a loss
 RATE = 4000  # bodies a second of a point: more than any stage answers here, so no text comes twice
 Server = tuple[str, str, StageProcess]  # stage, side ("before", "after" or ""), the process
@@ -126,15 +129,16 @@ def bodies(profile: Profile, seed: int, count: int) -> list[bytes]:
     return [orjson.dumps({"inputs": r}) for r in requests]
 
 
-def measure(server: StageProcess, profile: Profile, requests: list[bytes], seconds: float) -> dict[str, Any]:
+def measure(
+    server: StageProcess, profile: Profile, requests: list[bytes], seconds: float, tool: str = TOOL
+) -> dict[str, Any]:
     """One point; then the server settles, so that the next point, on any server, finds an idle machine."""
-    cpu = load.process_cpu(process := psutil.Process(server.pid))
-    point = load.wrk(server.url, requests, profile.connections, seconds)
-    answered = point["requests_per_s"] * max(1, math.ceil(seconds))  # wrk runs whole seconds
-    cpu = load.process_cpu(process) - cpu
+    point = load.LOAD_GENERATORS[tool](server.url, requests, profile.connections, seconds, pid=server.pid)
+    answered, cpu = point["requests_per_s"] * point["window_s"], point.pop("server_cpu_s")
     load.settle(server.pid, server.url)
     silent = {"p50_ms": None, "p99_ms": None} if not answered + point["non_2xx_per_s"] else {}  # not 0 ms
-    return {**point, **silent, "cpu_ms": round(1e3 * cpu / answered, 3) if answered else None}
+    cpu_ms = round(1e3 * cpu / answered, 3) if answered and cpu is not None else None
+    return {"load_generator": tool, **point, **silent, "cpu_ms": cpu_ms}
 
 
 def start(stack: ExitStack, stages: Sequence[str], tree: Path, side: str = "") -> list[Server]:
@@ -145,23 +149,27 @@ def start(stack: ExitStack, stages: Sequence[str], tree: Path, side: str = "") -
     return [(s, side, stack.enter_context(r)) for s, r in zip(stages, run, strict=True)]
 
 
-def in_turns(servers: list[Server], profiles: list[Profile], rounds: int, seconds: float) -> list[Any]:
+def in_turns(
+    servers: list[Server], profiles: list[Profile], rounds: int, seconds: float, wrk_too: Sequence[str] = ()
+) -> list[Any]:
     """Every profile on every server in turns, ``rounds`` times: the same texts for every server in a
-    round, new ones in the next. Two sides of a stage swap their order each round (A B, then B A)."""
+    round, new ones in the next. Two sides of a stage swap their order each round (A B, then B A).
+    The profiles named in ``wrk_too`` are loaded by wrk as well, right after Locust, with the same texts."""
     points = []
     for round_, profile in itertools.product(range(rounds), profiles):
         requests = bodies(profile, 100 * (round_ + 1) + PROFILES.index(profile), RATE * math.ceil(seconds))
+        tools = [TOOL, "wrk"] if profile.name in wrk_too else [TOOL]
         for stage, group in itertools.groupby(servers, key=lambda s: s[0]):
             turn = list(group)
-            for _, side, server in turn if round_ % 2 == 0 else turn[::-1]:
-                p = measure(server, profile, requests, seconds)
+            for tool, (_, side, server) in itertools.product(tools, turn if round_ % 2 == 0 else turn[::-1]):
+                p = measure(server, profile, requests, seconds, tool)
                 points.append({"stage": stage, "side": side, "round": round_, "profile": profile.name, **p})
                 print(f"round {round_ + 1}/{rounds}, {profile.name}, {stage} {side}: {p}", flush=True)
     return points
 
 
 def medians(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    keys = ("requests_per_s", "non_2xx_per_s", "p50_ms", "p99_ms", "cpu_ms")
+    keys = ("requests_per_s", "non_2xx_per_s", "p50_ms", "p99_ms", "cpu_ms", "load_generator_cpu")
     got = {k: [p[k] for p in points if p.get(k) is not None] for k in keys}
     return {k: statistics.median(v) if v else None for k, v in got.items()}
 
@@ -198,10 +206,13 @@ def verdict(first: str, rows: Sequence[tuple[str, float | None, Sequence[float |
 
 
 # --- compare.json and compare.md -------------------------------------------------------
-def summarize(points: list[dict[str, Any]], stages: Sequence[str], profiles: Sequence[str]) -> dict[str, Any]:
+def summarize(
+    points: list[dict[str, Any]], stages: Sequence[str], profiles: Sequence[str], tool: str = TOOL
+) -> dict[str, Any]:
     """Medians over the rounds per load and stage, and each stage over the one before it: the
     median's ratio, each round's (``rounds``) and the word every round earns (``verdict``)."""
     out: dict[str, Any] = {}
+    points = [p for p in points if p.get("load_generator") == tool]
     for profile in profiles:
         row = {s: medians([p for p in points if (p["stage"], p["profile"]) == (s, profile)]) for s in stages}
         rps = {(p["stage"], p["round"]): p["requests_per_s"] for p in points if p["profile"] == profile}
@@ -214,6 +225,11 @@ def summarize(points: list[dict[str, Any]], stages: Sequence[str], profiles: Seq
     return out
 
 
+def _tool(result: dict[str, Any]) -> str:
+    """The load generator a results file was measured with (files from before Locust: wrk)."""
+    return {"locust": "Locust", "wrk": "`wrk`"}[result["stamp"].get("load_generator", "wrk")]
+
+
 def _pair(a: dict[str, Any], b: dict[str, Any], key: str, digits: int = 1) -> str:
     return f"{num(a[key], digits)} / {num(b[key], digits)}"
 
@@ -222,10 +238,10 @@ def markdown(result: dict[str, Any]) -> str:
     stages, summary, ceiling = result["stages"], result["summary"], result["ceiling"]
     n = {s: stage_label(s).removeprefix("stage ") for s in stages}
     best = ceiling.get("sentence") or next(iter(ceiling.values()))
-    note = (f"Closed loop (`wrk`), every stage running at once, measured in turns, {result['duration_s']:g}"
-            f" s a point, medians over {result['rounds']} round(s). The engine alone, no HTTP:"
-            f" {best['texts_per_s']:.0f} texts/s at its best (batch {best['best_batch']}, calls side by side:"
-            f" {best['best_calls_at_once']}).")  # fmt: skip
+    note = (f"Closed loop ({_tool(result)}), every stage running at once, measured in turns,"
+            f" {result['duration_s']:g} s a point, medians over {result['rounds']} round(s). The engine"
+            f" alone, no HTTP: {best['texts_per_s']:.0f} texts/s at its best (batch {best['best_batch']},"
+            f" calls side by side: {best['best_calls_at_once']}).")  # fmt: skip
     sections = {"ceiling": table(["texts", "engine alone, texts/s", "best batch", "calls side by side"],
                                  [(k, num(c["texts_per_s"]), c["best_batch"], c["best_calls_at_once"])
                                   for k, c in ceiling.items()])}  # fmt: skip
@@ -251,11 +267,38 @@ def markdown(result: dict[str, Any]) -> str:
               _pair(x, y, "non_2xx_per_s", 0)) for p, x, y in rows], "l" + "r" * 7),
             "", verdict(f"Stage {b} against stage {a}, in requests a second",
                         [(p, y["over_previous"], y.get("rounds", [])) for p, _, y in rows])]  # fmt: skip
+    sections["agreement"] = agreement(result.get("wrk", {}), summary, stages)
     alone = {p["name"]: ceiling[p["kind"]]["texts_per_s"] / p["texts"] for p in result["profiles"]}
     sections["all"] = table(["load", *(f"stage {n[s]} req/s" for s in stages), "engine alone, req/s"],
                             [(p, *(num(row[s]["requests_per_s"]) for s in stages), num(alone[p]))
                              for p, row in summary.items()])  # fmt: skip
+    sections["load-generator"] = table(["load", *(f"stage {n[s]}" for s in stages)],
+                                       [(p, *(num(row[s]["load_generator_cpu"], 2) for s in stages))
+                                        for p, row in summary.items()])  # fmt: skip
     return page(result["stamp"], sections, note) + "\n"
+
+
+def agreement(wrk: dict[str, Any], locust: dict[str, Any], stages: Sequence[str]) -> list[str]:
+    """Each stage over the one before as Locust and as wrk measured it, on the loads both ran."""
+    rows, gaps, same = [], [], 0
+    for profile, row in wrk.items():
+        for before, stage in itertools.pairwise(stages):
+            mine, theirs = locust[profile][stage], row[stage]
+            name = f"{stage_label(stage)} / {stage_label(before).removeprefix('stage ')}"
+            rows.append((profile, name, num(mine["over_previous"], 2, "×"), mine["verdict"],
+                         num(theirs["over_previous"], 2, "×"), theirs["verdict"],
+                         _pair(mine, theirs, "load_generator_cpu", 2)))  # fmt: skip
+            if mine["over_previous"] is not None and theirs["over_previous"] is not None:
+                gaps.append(abs(mine["over_previous"] - theirs["over_previous"]))
+            same += mine["verdict"] == theirs["verdict"]
+    if not rows:
+        return ["Not measured: no load ran under wrk as well (--wrk-profiles)."]
+    headers = ["load", "comparison", "Locust: ratio", "Locust: every round", "wrk: ratio", "wrk: every round",
+               "load generator's cores, Locust / wrk"]  # fmt: skip
+    said = (f"Locust's and wrk's median ratios differ by {max(gaps):.2f} at most (median"
+            f" {statistics.median(gaps):.2f}); their verdicts agree on {same} of {len(rows)}"
+            " comparisons.")  # fmt: skip
+    return [*table(headers, rows, "llrlrlr"), "", said]
 
 
 # --- --against: two commits in turns (before_after.json) -------------------------------
@@ -284,7 +327,9 @@ def against_rows(points: list[dict[str, Any]], stages: Sequence[str], profiles: 
     """Per stage and load: each side's medians, after / before, each round's ratio, and a loss."""
     rows = []
     for stage, profile in itertools.product(stages, profiles):
-        mine = [p for p in points if (p["stage"], p["profile"]) == (stage, profile)]
+        mine = [
+            p for p in points if (p["stage"], p["profile"], p.get("load_generator")) == (stage, profile, TOOL)
+        ]
         side = {s: medians([p for p in mine if p["side"] == s]) for s in ("before", "after")}
         rps = {(p["side"], p["round"]): p["requests_per_s"] for p in mine}
         rounds = [ratio(rps["after", r], rps["before", r]) for r in sorted({p["round"] for p in mine})]
@@ -304,8 +349,8 @@ def against_markdown(result: dict[str, Any]) -> str:
     losses = [f"{stage_label(r['stage'])} {r['profile']}" for r in result["summary"] if r["loses"]]
     p = result["parameters"]
     note = (f"Before: commit `{p['before'][:7]}`; after: commit `{str(result['stamp'].get('commit'))[:7]}`;"
-            f" both running at once, closed loop (`wrk`), {p['duration_s']:g} s a point, {p['rounds']}"
-            " rounds taken in turns (A B, then B A), medians.")  # fmt: skip
+            f" both running at once, closed loop ({_tool(result)}), {p['duration_s']:g} s a point,"
+            f" {p['rounds']} rounds taken in turns (A B, then B A), medians.")  # fmt: skip
     said = (f"{len(losses)} of {len(rows)} points lose more than 5 % in every round (after / before under"
             f" {SLOWER})" + (": " + "; ".join(losses) if losses else "."))  # fmt: skip
     return page(result["stamp"], {"ratios": table(headers, rows, "llrrrlrl"), "verdict": [said]}, note) + "\n"
@@ -320,7 +365,7 @@ def against(args: argparse.Namespace, run: evidence.Run) -> dict[str, Any]:
         points = in_turns(servers, args.profiles, args.rounds, args.duration)
         before = _git("-C", str(tree), "rev-parse", "HEAD")
     names = [p.name for p in args.profiles]
-    result = {"stamp": run.stamp(ENV, WITHOUT), "points": points,
+    result = {"stamp": {**run.stamp(ENV, WITHOUT), "load_generator": TOOL}, "points": points,
               "parameters": {"before": before, "duration_s": args.duration, "rounds": args.rounds,
                              "stages": stages, "profiles": names},
               "summary": against_rows(points, stages, names)}  # fmt: skip
@@ -338,6 +383,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--stages", help="comma-separated, 1 to 5 (default: all)")
     parser.add_argument("--profiles", help=f"comma-separated, of {', '.join(p.name for p in PROFILES)}")
+    parser.add_argument(
+        "--wrk-profiles",
+        help="profiles wrk loads as well, in the same turns (default: "
+        "unique-32,unique-128; quick and --against: none)",
+    )
     parser.add_argument("--rounds", type=int, help="rounds of turns (3, --against 2; quick 1)")
     parser.add_argument("--duration", type=float, help="seconds a point (2; quick 1)")
     parser.add_argument(
@@ -351,6 +401,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if unknown := set(names) - {p.name for p in PROFILES}:
         parser.error(f"unknown profiles {sorted(unknown)}")
     args.profiles = [p for p in PROFILES if p.name in names]
+    default = "" if args.quick or args.against else "unique-32,unique-128"
+    args.wrk_profiles = [
+        n for n in (default if args.wrk_profiles is None else args.wrk_profiles).split(",") if n
+    ]
     args.rounds = args.rounds or (1 if args.quick else 2 if args.against else 3)
     args.duration = args.duration or (1.0 if args.quick else 2.0)
     args.ceiling_seconds = args.ceiling_seconds or (0.2 if args.quick else 1.0)
@@ -363,13 +417,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.against:
         return 1 if any(r["loses"] for r in against(args, run)["summary"]) else 0
     with ExitStack() as stack:
-        points = in_turns(start(stack, args.stages, evidence.REPO), args.profiles, args.rounds, args.duration)
+        servers = start(stack, args.stages, evidence.REPO)
+        points = in_turns(servers, args.profiles, args.rounds, args.duration, args.wrk_profiles)
     print("the engine alone ...", flush=True)
     ceiling = engine_ceiling(sorted({p.kind for p in args.profiles}), args.ceiling_seconds)
     names = [p.name for p in args.profiles]
-    result = {"stamp": run.stamp(ENV, WITHOUT), "duration_s": args.duration, "rounds": args.rounds,
-              "stages": args.stages, "profiles": [asdict(p) for p in args.profiles], "ceiling": ceiling,
-              "points": points, "summary": summarize(points, args.stages, names)}  # fmt: skip
+    wrk = [n for n in names if n in args.wrk_profiles]
+    result = {"stamp": {**run.stamp(ENV, WITHOUT), "load_generator": TOOL}, "duration_s": args.duration,
+              "rounds": args.rounds, "stages": args.stages, "profiles": [asdict(p) for p in args.profiles],
+              "ceiling": ceiling, "points": points, "summary": summarize(points, args.stages, names),
+              "wrk": summarize(points, args.stages, wrk, tool="wrk")}  # fmt: skip
     evidence.publish(run, "compare", result, markdown, args.out)
     return 0
 

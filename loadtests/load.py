@@ -1,18 +1,21 @@
-"""How the kit loads a server: ``wrk`` where throughput counts, httpx where each answer matters.
+"""How the kit loads a server: Locust or ``wrk`` where throughput counts, httpx where each answer matters.
 
-``wrk``, the C load generator, is the kit's one scripted load generator beside Locust: closed
-loop, one new body per request (``wrk``). ``post_bodies`` sends through httpx from a few
+``locust`` runs the repository's Locust file headless (its ``BodiesUser``, a ``FastHttpUser``) and
+``wrk``, the C load generator, the same load: closed loop, the given bodies sent in turn, one a
+request. Both answer with the same figures, the load generator's own CPU (``load_generator_cpu``,
+in cores) among them, so a comparison can name its tool and what the tool cost: ``make compare``
+runs Locust and, on two loads, wrk beside it. ``post_bodies`` sends through httpx from a few
 clients and keeps each answer's status, time and headers (``x-cache``, ``x-batch-size``), for the
 experiments that read them. ``settle`` waits between points until the server is idle again.
 
 On a 2-core machine the load generator shares the cores with the server; ``wrk`` (one thread,
-epoll, C) costs a small fraction of what a Python client does, so the server's own ceiling shows.
-Each connection sends its next request the moment an answer arrives, 200 or 503 alike (what a
-naive client or a load test does), or, with ``honour_retry_after``, waits a refusal's Retry-After
-(what a polite one does).
+epoll, C) costs a fraction of what a Python client does, so the experiments that look for a
+server's own ceiling use it. Each connection sends its next request the moment an answer arrives,
+200 or 503 alike (what a naive client or a load test does), or, with ``honour_retry_after``, waits
+a refusal's Retry-After (what a polite one does).
 
-wrk's bodies come from a file, one JSON body per line, cycled through by a small Lua script.
-``make tools`` installs Debian's package when it is missing.
+wrk's bodies come from a file, one JSON body per line, cycled through by a small Lua script;
+Locust reads the same file. ``make tools`` installs Debian's wrk when it is missing.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import math
+import os
 import re
+import resource
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -82,18 +89,22 @@ def wrk(
     seconds: float,
     path: str = "/v1/embed",
     honour_retry_after: bool = False,
+    pid: int | None = None,
 ) -> dict[str, Any]:
     """Requests/s, the share that was not 2xx, and latency percentiles (of every answer).
 
     ``seconds`` is rounded up to whole seconds (what wrk takes); ``honour_retry_after``: a refusal
-    pauses a connection for its Retry-After (``POLITE``), as a polite client does."""
+    pauses a connection for its Retry-After (``POLITE``), as a polite client does; ``pid``: the
+    server's CPU seconds over the run too (``server_cpu_s``)."""
     seconds = max(1, math.ceil(seconds))
     if not available():
         raise SystemExit("wrk is missing: `make tools` installs Debian's package")
+    server = psutil.Process(pid) if pid else None
     with tempfile.TemporaryDirectory() as tmp:
         file, script = Path(tmp) / "bodies.jsonl", Path(tmp) / "bodies.lua"
         file.write_bytes(b"\n".join(bodies))
         script.write_text(SCRIPT + (POLITE if honour_retry_after else ""))
+        before, server_before = _children_cpu(), process_cpu(server) if server else 0.0
         done = subprocess.run(
             ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script), url],
             capture_output=True,
@@ -101,7 +112,58 @@ def wrk(
             check=True,
             env={"WRK_BODIES": str(file), "WRK_PATH": path, "PATH": "/usr/bin:/bin"},
         )
-    return parse(done.stdout, connections, seconds)
+        used, server_used = _children_cpu() - before, process_cpu(server) - server_before if server else None
+    return {**parse(done.stdout, connections, seconds), "window_s": seconds,
+            "load_generator_cpu": round(used / seconds, 3), "server_cpu_s": server_used}  # fmt: skip
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's children that have exited (wrk, once it is done)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+
+
+# --8<-- [start:locust]
+def locust(
+    url: str, bodies: Sequence[bytes], connections: int, seconds: float, pid: int | None = None
+) -> dict[str, Any]:
+    """What ``wrk`` answers, measured by Locust: ``connections`` users of the Locust file's
+    ``BodiesUser`` POSTing ``bodies`` in turn to /v1/embed, counted from the moment all of them run,
+    for about ``seconds`` (``--reset-stats``); the requests in flight at the end still count."""
+    with tempfile.TemporaryDirectory() as tmp:
+        file, report = Path(tmp) / "bodies.jsonl", Path(tmp) / "report.json"
+        file.write_bytes(b"\n".join(bodies))
+        env = {**os.environ, "EMBEDSERVE_BODIES": str(file)}
+        command = [
+            sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", url,
+            "-u", str(connections), "-r", str(connections), "-t", f"{math.ceil(seconds + 0.5)}s",
+            "--reset-stats", "--stop-timeout", "10", "--only-summary", "--loglevel", "WARNING",
+            "--exit-code-on-error", "0", "--run-report", str(report), "--server-pid", str(pid or 0),
+            "BodiesUser",
+        ]  # fmt: skip
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0 or not report.exists():
+            raise RuntimeError(f"Locust failed ({done.returncode}): {done.stderr[-2000:]}")
+        got = json.loads(report.read_text())
+    # --8<-- [end:locust]
+    wall, refused = got["wall_s"], sum(n for e, n in got["errors"].items() if e.startswith("HTTP "))
+    return {
+        "connections": connections,
+        "requests_per_s": round((got["requests"] - got["failures"]) / wall, 1),
+        "non_2xx_per_s": round(refused / wall, 1),
+        "socket_errors": got["failures"] - refused,
+        "p50_ms": got["percentiles_ms"]["0.5"],
+        "p99_ms": got["percentiles_ms"]["0.99"],
+        "window_s": round(wall, 3),
+        "load_generator_cpu": round(got["cores"], 3),
+        "server_cpu_s": None if got["server_cores"] is None else got["server_cores"] * wall,
+    }
+
+
+LOAD_GENERATORS = {"locust": locust, "wrk": wrk}
 
 
 def parse(out: str, connections: int, seconds: float) -> dict[str, Any]:

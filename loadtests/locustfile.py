@@ -217,18 +217,46 @@ for _stage, _, _url in (p.partition("=") for p in os.environ.get("EMBEDSERVE_COM
 # --8<-- [end:compare]
 
 
+# --8<-- [start:bodies]
+# The measuring kit's user (``loadtests.load.locust``, what `make compare` runs): every user sends
+# the next body of the file EMBEDSERVE_BODIES (one JSON body a line, shared by all, round and
+# round) the moment its answer comes. The class exists only when the variable is set, so the web
+# UI never offers it.
+if _bodies_file := os.environ.get("EMBEDSERVE_BODIES"):
+    with open(_bodies_file, "rb") as _f:
+        _bodies = itertools.cycle(_f.read().splitlines())
+
+    class BodiesUser(FastHttpUser):
+        """A closed-loop client of prepared bodies: the same requests for every server compared."""
+
+        wait_time = constant(0)
+
+        @task
+        def post(self) -> None:
+            headers = {"Content-Type": "application/json"}
+            with self.client.post("/v1/embed", data=next(_bodies), headers=headers, catch_response=True) as r:
+                if r.status_code != 200:
+                    r.failure(f"HTTP {r.status_code}")
+
+
+# --8<-- [end:bodies]
+
+
 # --- the run report: the measured window, the load generator's CPU and the server's -----------
 _window: dict[str, float] = {}
 PERCENTILES = (0.50, 0.95, 0.99)  # the run report carries these from Locust's stats
 
 
 def _server_cpu(pid: int) -> float | None:
-    """CPU seconds of the server process named by --server-pid (None when none is named or visible)."""
+    """CPU seconds of the server process named by --server-pid and its children (None: none named or seen)."""
+    if not pid:
+        return None
     try:
-        times = psutil.Process(pid).cpu_times() if pid else None
+        process = psutil.Process(pid)
+        times = [p.cpu_times() for p in [process, *process.children(recursive=True)]]
     except psutil.Error:
         return None
-    return None if times is None else times.user + times.system
+    return sum(t.user + t.system for t in times)
 
 
 @events.init.add_listener

@@ -42,7 +42,8 @@ def test_compare_takes_the_median_round_and_each_stage_over_the_one_before() -> 
     stages = ["stage1_naive", "stage2_threadpool"]
     points = [
         {"stage": s, "profile": "unique-32", "round": r, "requests_per_s": rps * (1 + r / 100),
-         "p50_ms": 10.0, "p99_ms": None, "non_2xx_per_s": 0.0, "cpu_ms": 5.0}
+         "p50_ms": 10.0, "p99_ms": None, "non_2xx_per_s": 0.0, "cpu_ms": 5.0,
+         "load_generator": "locust"}
         for r in range(3) for s, rps in zip(stages, (100.0, 150.0), strict=True)
     ]  # fmt: skip
     row = compare.summarize(points, stages, ["unique-32"])["unique-32"]
@@ -67,22 +68,27 @@ def _verdict_words(sentence: str) -> dict[str, str]:
 
 def test_quick_compare_writes_every_section_and_words_that_agree_with_the_ratios(tmp_path: Path) -> None:
     """`make compare QUICK=1`, shortened to two stages: stage 1 (no bound) and stage 4 (a bound that
-    refuses the overload with 503, counted apart from the answers)."""
+    refuses the overload with 503, counted apart from the answers); Locust loads every point, wrk
+    unique-32 as well."""
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.compare", "--quick", "--stages", "1,4", "--profiles",
-         "unique-1,unique-32,overload-128", "--ceiling-seconds", "0.05", "--out", str(tmp_path)],
+         "unique-1,unique-32,overload-128", "--wrk-profiles", "unique-32", "--ceiling-seconds", "0.05",
+         "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((tmp_path / "compare.json").read_text())
     stages = ["stage1_naive", "stage4_cache_backpressure"]
     assert result["stages"] == stages and result["stamp"]["quick"] is True
+    assert result["stamp"]["load_generator"] == "locust"
     assert result["stamp"]["settings"]["changed"] == {"MAX_QUEUE": 256}  # CACHE_URL left out
     assert result["ceiling"]["sentence"]["texts_per_s"] > 0
-    assert {(p["stage"], p["profile"]) for p in result["points"]} == {
-        (s, p) for s in stages for p in ("unique-1", "unique-32", "overload-128")
-    }
+    assert sorted((p["stage"], p["profile"], p["load_generator"]) for p in result["points"]) == sorted(
+        [(s, p, "locust") for s in stages for p in ("unique-1", "unique-32", "overload-128")]
+        + [(s, "unique-32", "wrk") for s in stages]
+    )
     for p in result["points"]:
+        assert p["load_generator_cpu"] > 0, p  # the tool's own cores, beside every point
         if p["profile"] != "overload-128":
             assert p["requests_per_s"] > 0 and p["cpu_ms"] > 0 and 0 < p["p50_ms"] <= p["p99_ms"], p
     overload = {p["stage"]: p for p in result["points"] if p["profile"] == "overload-128"}
@@ -90,8 +96,12 @@ def test_quick_compare_writes_every_section_and_words_that_agree_with_the_ratios
     assert overload["stage4_cache_backpressure"]["non_2xx_per_s"] > 0  # refused at once, not throughput
 
     md = (tmp_path / "compare.md").read_text()
-    for name in ("machine", "ceiling", "stage1", "stage4", "all"):
+    for name in ("machine", "ceiling", "stage1", "stage4", "all", "load-generator", "agreement"):
         assert f"[start:{name}]" in md and f"[end:{name}]" in md, name
+    wrk = result["wrk"]["unique-32"]["stage4_cache_backpressure"]
+    assert wrk["rounds"] and wrk["verdict"] == compare.rounds_word(wrk["rounds"])
+    agreement = md.split("[start:agreement]")[1].split("[end:agreement]")[0]
+    assert f"{wrk['over_previous']:.2f}×" in agreement and "their verdicts agree on" in agreement
     section = md.split("[start:stage4]")[1].split("<!--")[0]
     sentence = next(line for line in section.splitlines() if line.startswith("Stage 4 against stage 1"))
     said = _verdict_words(sentence)

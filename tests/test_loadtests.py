@@ -324,3 +324,19 @@ def test_post_bodies_sends_each_body_once_or_for_a_while(stage_url: str) -> None
     assert [a.headers["x-cache"] for a in once] == ["miss"] * 6 + ["hit"] * 2  # in order, each once
     timed = asyncio.run(post_bodies(stage_url, bodies, clients=2, seconds=0.5, keep_alive=False))
     assert len(timed) > len(bodies) and all(a.status == 200 and a.ms > 0 for a in timed)
+
+
+def test_locust_sends_the_given_bodies_and_answers_what_wrk_answers(stage_url: str) -> None:
+    """``load.locust`` (what `make compare` runs): the Locust file's BodiesUser sends exactly the
+    bodies it is given (a stage 5 cache has them afterwards), with wrk's figures and its own CPU."""
+    run = os.urandom(4).hex()
+    bodies = [orjson.dumps({"inputs": [f"locust bodies {run} {i}"]}) for i in range(5)]
+    point = load.locust(stage_url, bodies, 2, 1.0)
+    again = asyncio.run(post_bodies(stage_url, bodies, clients=1))
+    assert [a.headers["x-cache"] for a in again] == ["hit"] * 5  # every one was sent
+    other = asyncio.run(post_bodies(stage_url, [orjson.dumps({"inputs": [f"not sent {run}"]})], clients=1))
+    assert other[0].headers["x-cache"] == "miss"
+    assert point["requests_per_s"] > 0 and point["socket_errors"] == 0 and point["non_2xx_per_s"] == 0
+    assert 0 < point["p50_ms"] <= point["p99_ms"] and point["window_s"] > 0
+    assert point["load_generator_cpu"] > 0 and point["server_cpu_s"] is None  # no pid named
+    assert set(point) == set(load.wrk(stage_url, bodies, 2, 1.0))
