@@ -66,26 +66,28 @@ STEPS: tuple[Step, ...] = (
     # 5 servers starting at once (20 s), then 3 rounds x 5 layouts x 2 loads x (3 s + about 0.7 s to settle)
     Step("stage2-threads", "stage 2: thread settings", "benchmarks.stage2_threads", ("stage2_threads.json",),
          2.5, 1),
-    # the engine alone (14 x 1 s), the batcher alone (5 rounds x 11 bursts, 70 s), 6 servers starting
-    # at once (25 s), then 4 rounds x 17 points x (3 s + about 0.7 s to settle): four rounds, since
-    # a window's effect on this machine is about the size of two rounds' noise
-    Step("stage3", "stage 3: targets, windows by load, each refinement", "benchmarks.stage3",
-         ("stage3.json",), 6, 2),
+    # the engine alone (14 x 1 s, the plateau about 40 s), the batcher alone (5 rounds x 11 bursts,
+    # 70 s), 12 servers starting at once (40 s), then 4 rounds x 30 points x (Locust's 3.6 s, its
+    # start and about 0.7 s to settle): four rounds, since a window's effect on this machine is
+    # about the size of two rounds' noise
+    Step("stage3", "stage 3: the batch-size sweep, targets, windows by load, each refinement",
+         "benchmarks.stage3", ("stage3.json",), 14, 4.5, images=("batch_sweep.png",)),
     # a full run took 2.6 min on a busy machine
     Step("stage4", "stage 4: Redis at a distance, the lookup's bound, repeats, overload, a flood",
          "benchmarks.stage4", ("stage4.json",), 3, 1.5),
-    # 5 stages x 6 profiles x 3 rounds x (2 s of wrk + about 0.8 s to settle), 5 start-ups (10 s) and
-    # the engine alone (2 kinds x 2 layouts x 7 batch sizes x 1 s, and the large batches' overrun)
-    Step("compare", "every stage in turns under the same loads, each against the one before",
-         "benchmarks.compare", ("compare.json",), 5.5, 1.3),
-    # 5 stages x 2 profiles x 2 commits x 3 rounds x (2 s + about 0.8 s), and 10 start-ups
+    # 5 stages x 6 profiles x 3 rounds x (Locust: its start, 2.6 s, then about 0.8 s to settle), wrk
+    # beside it on 2 profiles (2 s + 0.8 s), 5 start-ups (10 s) and the engine alone (2 kinds x 2
+    # layouts x 7 batch sizes x 1 s, and the large batches' overrun)
+    Step("compare", "every stage in turns under the same loads (Locust), each against the one before",
+         "benchmarks.compare", ("compare.json",), 10, 2.5),
+    # 5 stages x 2 profiles x 2 commits x 3 rounds x (Locust's start and 2.6 s + about 0.8 s), 10 start-ups
     Step("before-after", "stages 1 to 5 of a fixed reference commit and of this checkout, in turns",
-         "benchmarks.compare", ("before_after.json",), 3.3, 1,
+         "benchmarks.compare", ("before_after.json",), 5, 1.5,
          args=("--against", "31e7b5d", "--profiles", "unique-32,unique-128", "--rounds", "3"),
          render="against_markdown"),
     # 2 stages x 2 profiles x 2 commits x 3 rounds x (2 s + about 0.8 s), and 4 start-ups
     Step("idiom", "stages 4 and 5 with FastAPI's @app.middleware (commit d5f0201) and as shipped, in turns",
-         "benchmarks.compare", ("idiom.json",), 1.5, 0.7,
+         "benchmarks.compare", ("idiom.json",), 2.2, 1,
          args=("--against", "d5f0201", "--stages", "4,5", "--profiles", "unique-32,repeated-32", "--rounds",
                "3", "--name", "idiom"), render="against_markdown"),
     # the constants (30 s), 4 servers starting at once (15 s), 2 rounds x 8 points x (3 s + about 0.7 s)

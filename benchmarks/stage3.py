@@ -10,10 +10,14 @@ One run, one machine:
 * ``engine``: the engine alone on the same sentences at its best batch size and layout (the
   ceiling, ``benchmarks.compare.engine_ceiling``), and what one more model call costs in padded
   tokens: k calls of one row against one call of k rows, CPU time, one thread a call as a slot runs.
-* ``servers``: stage 2 and stage 3 servers, all running at once and taking turns under ``wrk``
-  (one new sentence per request), in rounds: stage 2 and stage 3 with their defaults at 1 and 32
-  connections (the targets); stage 3 with windows for its MEDIUM and HIGH tiers, and with one
-  model slot, at 8, 32 and 128 connections (the windows). A point is its median round.
+* ``plateau``: the engine alone, mixed-length texts in batches of 1 to 32, in arrival order and
+  sorted by length: CPU ms a text, the reason the sweep's curve flattens where it does.
+* ``servers``: stage 1, 2 and 3 servers, all running at once and taking turns under Locust
+  (``loadtests.load.locust``, one new sentence per request), in rounds: stage 2 and stage 3 with
+  their defaults at 1 and 32 connections (the targets); stage 3 with MAX_BATCH_SIZE 1 to 32 beside
+  stages 1 and 2 at 32 and 128 connections (the sweep: ``batch_sweep`` and ``baselines``); stage 3
+  with windows for its MEDIUM and HIGH tiers, and with one model slot, at 8, 32 and 128
+  connections (the windows). A point is its median round.
 * ``refinements``: 256 mixed texts queued at once, straight into the batcher (no HTTP): the
   textbook ``Batcher``, then the refinements added one at a time in the chapter's order. What the
   batcher decides is counted with a stand-in model (the same on every machine; one text makes it
@@ -25,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -38,22 +44,26 @@ import httpx
 import numpy as np
 import orjson
 
-from benchmarks.compare import CEILING_SEED, engine_ceiling
+from benchmarks.compare import CEILING_SEED, engine_ceiling, rounds_word
 from common import corpus
 from common.engine import Engine, TokenizedText
 from common.settings import Settings
 from loadtests import evidence
-from loadtests.load import settle, wrk
+from loadtests.evidence import save_figure
+from loadtests.load import locust, settle
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, table
 from stage3_batching.batcher import Batcher, Model
 from stage3_batching.refined import refined
 
-S2, S3 = "stage2_threadpool", "stage3_batching"
+S1, S2, S3 = "stage1_naive", "stage2_threadpool", "stage3_batching"
+SWEEP, SWEPT = (32, 128), (1, 2, 4, 8, 16)  # the sweep's loads, and its MAX_BATCH_SIZE (the default too)
 # name: (stage, settings, connections). "MEDIUM / HIGH" are the tiers' windows in ms; 0 / 0 is the default.
 SERVERS = {
-    "stage 2": (S2, {}, (1, 32)),
-    "0 / 0": (S3, {}, (1, 8, 32, 128)),
+    "stage 1": (S1, {}, SWEEP),
+    "stage 2": (S2, {}, (1, *SWEEP)),
+    "0 / 0": (S3, {}, (1, 8, *SWEEP)),
+    **{f"batch {b}": (S3, {"MAX_BATCH_SIZE": str(b)}, SWEEP) for b in SWEPT},
     "0 / 2": (S3, {"BATCH_WINDOW_HIGH_MS": "2"}, (8, 32, 128)),
     "2 / 2": (S3, {"BATCH_WINDOW_MS": "2", "BATCH_WINDOW_HIGH_MS": "2"}, (8, 32, 128)),
     "50 / 50": (S3, {"BATCH_WINDOW_MS": "50", "BATCH_WINDOW_HIGH_MS": "50"}, (8, 32, 128)),
@@ -120,13 +130,13 @@ def servers(seconds: float, rounds: int, logs: Path) -> list[dict[str, Any]]:
             for name, (stage, env, _) in SERVERS.items()
         }
         for server in up.values():  # a first load, on other texts: every server warm
-            wrk(server.url, bodies[::-1], 8, 1)
+            locust(server.url, bodies[::-1], 8, 1)
         for r in range(rounds):
             for name, (_, _, loads) in SERVERS.items():
                 for n in loads:
                     settle(up[name].pid, up[name].url)
                     before = batcher_metrics(up[name].url)
-                    point = wrk(up[name].url, bodies, n, seconds)
+                    point = locust(up[name].url, bodies, n, seconds)
                     if (after := batcher_metrics(up[name].url)) and before:
                         batches = after["batches"] - before["batches"]
                         point["average_batch_size"] = (after["texts"] - before["texts"]) / max(1, batches)
@@ -136,7 +146,7 @@ def servers(seconds: float, rounds: int, logs: Path) -> list[dict[str, Any]]:
     out = []
     for (name, _), ps in runs.items():
         mid = sorted(ps, key=lambda p: p["requests_per_s"])[len(ps) // 2]  # the median round
-        errors = sum(p["socket_errors"] + round(p["non_2xx_per_s"] * max(1, seconds)) for p in ps)
+        errors = sum(p["socket_errors"] + round(p["non_2xx_per_s"] * p["window_s"]) for p in ps)
         out.append(
             {
                 "server": name,
@@ -146,6 +156,86 @@ def servers(seconds: float, rounds: int, logs: Path) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def plateau(n: int = 256, passes: int = 3) -> list[dict[str, Any]]:
+    """CPU and wall ms a text of the engine alone (tokenize, model, normalize; one call at a time,
+    a slot's threads) over ``n`` of the sweep's sentences in batches of 1 to 32: as they come, and
+    sorted by length first (what length grouping does to a queue); the best of ``passes``, the
+    orders in turns. The batch where the cost stops falling is the plateau."""
+    settings = Settings()
+    engine = Engine.from_settings(settings, calls_at_once=settings.batch_concurrency)
+    texts = corpus.texts(n, seed=CEILING_SEED, kind="sentence")
+    orders = {"as_they_come": texts, "sorted": sorted(texts, key=len)}
+    for b in (1, settings.max_batch_size):  # every shape once before the clock runs
+        engine.embed(texts[:b])
+    sizes = (*SWEPT, settings.max_batch_size)
+    best: dict[str, float] = {}
+    for _, b, (name, order) in itertools.product(range(passes), sizes, orders.items()):
+        cpu, wall = time.process_time(), time.perf_counter()
+        for i in range(0, n, b):
+            engine.embed(order[i : i + b])
+        took = {"cpu_ms": time.process_time() - cpu, "wall_ms": time.perf_counter() - wall}
+        for what, seconds in took.items():
+            key = f"{b} {name}_{what}"
+            best[key] = min(best.get(key, math.inf), seconds * 1e3 / n)
+    return [
+        {"batch": b, **{k.split()[1]: v for k, v in best.items() if k.split()[0] == str(b)}} for b in sizes
+    ]
+
+
+def sweep(result: dict[str, Any]) -> dict[str, Any]:
+    """The sweep's rows out of the servers' points: stage 3 by MAX_BATCH_SIZE, stages 1 and 2 beside
+    it, and a batch of one against stage 2 in every round (``batch_of_one``)."""
+    points = {(p["server"], p["connections"]): p for p in result["servers"]}
+    named = {**{f"batch {b}": b for b in SWEPT}, "0 / 0": Settings().max_batch_size}
+    keep = ("requests_per_s", "p50_ms", "p99_ms")
+    rows = [{"max_batch_size": b, "connections": n, **{k: points[name, n][k] for k in keep},
+             "mean_batch": points[name, n].get("average_batch_size"),
+             "rounds": points[name, n]["rounds_requests_per_s"]}
+            for name, b in sorted(named.items(), key=lambda x: x[1]) for n in SWEEP]  # fmt: skip
+    baselines = [{"stage": name, "connections": n, **{k: points[name, n][k] for k in keep},
+                  "rounds": points[name, n]["rounds_requests_per_s"]}
+                 for name in ("stage 1", "stage 2") for n in SWEEP]  # fmt: skip
+    one = {}
+    for n in SWEEP:
+        mine, theirs = points["batch 1", n], points["stage 2", n]
+        pairs = zip(mine["rounds_requests_per_s"], theirs["rounds_requests_per_s"], strict=True)
+        rounds = [round(a / b, 3) for a, b in pairs]
+        one[str(n)] = {"ratio": mine["requests_per_s"] / theirs["requests_per_s"], "rounds": rounds,
+                       "verdict": rounds_word(rounds)}  # fmt: skip
+    return {"batch_sweep": rows, "baselines": baselines, "batch_of_one": one}
+
+
+def sweep_figure(result: dict[str, Any], folder: Path) -> Path:
+    """batch_sweep.png: requests/s and p99 against MAX_BATCH_SIZE, stages 1 and 2 as lines across."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for n, colour in zip(SWEEP, ("tab:blue", "tab:orange"), strict=True):
+        rows = [r for r in result["batch_sweep"] if r["connections"] == n]
+        sizes = [r["max_batch_size"] for r in rows]
+        for ax, key in zip(axes, ("requests_per_s", "p99_ms"), strict=True):
+            ax.plot(sizes, [r[key] for r in rows], "o-", color=colour, label=f"stage 3, {n} connections")
+            for base, style in (("stage 1", ":"), ("stage 2", "--")):
+                b = next(x for x in result["baselines"] if (x["stage"], x["connections"]) == (base, n))
+                ax.axhline(
+                    b[key], color=colour, linestyle=style, linewidth=1, label=f"{base}, {n} connections"
+                )
+    for ax, label in zip(axes, ("requests a second", "p99 latency, ms"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r["max_batch_size"] for r in result["batch_sweep"] if r["connections"] == SWEEP[0]])
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("MAX_BATCH_SIZE")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+    axes[1].legend(fontsize=7)
+    fig.suptitle("Stage 3 by its batch limit, beside stages 1 and 2 (one new sentence a request)")
+    fig.tight_layout()
+    return save_figure(fig, folder / "batch_sweep.png", result["stamp"])
 
 
 # --- the batcher alone -----------------------------------------------------------------------
@@ -292,6 +382,83 @@ def _defaults(result: dict[str, Any]) -> tuple[str, str]:
     return windows, slots
 
 
+def _sweep_row(name: str, r: dict[str, Any]) -> tuple[Any, ...]:
+    rounds = ", ".join(num(x, 0) for x in r["rounds"])
+    return (name, r["connections"], num(r["requests_per_s"], 0), num(r["p50_ms"], 1), num(r["p99_ms"], 1),
+            num(r.get("mean_batch"), 1), rounds)  # fmt: skip
+
+
+def _plateau_said(flat: list[dict[str, Any]], server_gain: float) -> str:
+    """Where the engine's cost a text stops falling, what padding adds, and the server's gain beside it."""
+    alone = min(flat[0]["as_they_come_cpu_ms"], flat[0]["sorted_cpu_ms"])  # a batch of one: either order
+    low, last = min(flat, key=lambda r: r["sorted_cpu_ms"]), flat[-1]
+    gain, padded = alone / low["sorted_cpu_ms"], last["as_they_come_cpu_ms"] / last["sorted_cpu_ms"]
+    if server_gain >= PAYS * gain:
+        rest = (
+            "the rest of the server's gain is the work around each call (a thread hand-off, the event"
+            " loop's turns), paid once a batch instead of once a request."
+        )
+    elif server_gain > gain / PAYS:
+        rest = "within 10% of each other: the server's gain is about the model's own saving."
+    else:
+        rest = "the server keeps less than the model saves."
+    return (
+        f"The engine alone on the sweep's sentences: a text alone costs {alone:.2f} ms of CPU; sorted by"
+        f" length, a text costs the least in batches of {low['batch']} ({low['sorted_cpu_ms']:.2f} ms,"
+        f" {1 / gain:.2f}x). In arrival order a batch of {last['batch']} pads every row to its longest"
+        f" sentence: {last['as_they_come_cpu_ms']:.2f} ms a text, {padded:.2f}x the sorted batch. The"
+        f" server at {SWEEP[0]} connections gained"
+        f" {server_gain:.2f}x from its best batch limit over a limit of one, the engine {gain:.2f}x: {rest}"
+    )
+
+
+def sweep_sections(result: dict[str, Any]) -> dict[str, list[str]]:
+    """The sweep's table, a batch of one against stage 2, and the plateau with its reason."""
+    sweep, bases = result["batch_sweep"], result["baselines"]
+    rows = [_sweep_row(f"stage 3, MAX_BATCH_SIZE={r['max_batch_size']}", r) for r in sweep]
+    rows = sorted(rows + [_sweep_row(b["stage"], b) for b in bases], key=lambda r: r[1])
+    said = "; ".join(
+        f"at {n} connections {o['ratio']:.2f}x (rounds {min(o['rounds']):.2f}–{max(o['rounds']):.2f}x):"
+        f" {o['verdict']}"
+        for n, o in result["batch_of_one"].items()
+    )
+    best = {
+        n: max((r for r in sweep if r["connections"] == n), key=lambda r: r["requests_per_s"]) for n in SWEEP
+    }
+    first = {n: next(b for b in bases if (b["stage"], b["connections"]) == ("stage 1", n)) for n in SWEEP}
+    peaks = "; ".join(
+        f"at {n} connections MAX_BATCH_SIZE={b['max_batch_size']}, {b['requests_per_s']:.0f} req/s"
+        f" ({b['requests_per_s'] / first[n]['requests_per_s']:.2f}x stage 1; p99 from"
+        f" {first[n]['p99_ms']:.0f} to {b['p99_ms']:.0f} ms), in batches of {b['mean_batch']:.1f} on average"
+        for n, b in best.items()
+    )
+    one = next(r for r in sweep if (r["max_batch_size"], r["connections"]) == (1, SWEEP[0]))
+    flat = result["plateau"]
+    plateau = [
+        (
+            r["batch"],
+            *(
+                num(r[f"{order}_{what}_ms"], 2)
+                for what in ("cpu", "wall")
+                for order in ("as_they_come", "sorted")
+            ),
+        )
+        for r in flat
+    ]
+    return {
+        "sweep": table(
+            ["server", "connections", "req/s", "p50 ms", "p99 ms", "mean batch", "req/s each round"],
+            rows,
+            "lrrrrrl",
+        ),
+        "sweep_best": [f"The best batch limit: {peaks}."],
+        "batch_of_one": [f"Stage 3 with MAX_BATCH_SIZE=1 against stage 2, in requests a second: {said}."],
+        "plateau": table(["batch", "CPU ms a text, as they come", "sorted by length",
+                          "wall ms a text, as they come", "sorted by length"], plateau, "rrrrr"),
+        "plateau_verdict": [_plateau_said(flat, best[SWEEP[0]]["requests_per_s"] / one["requests_per_s"])],
+    }  # fmt: skip
+
+
 def markdown(result: dict[str, Any]) -> str:
     e, call, ref = result["engine"], result["call_overhead"], result["refinements"]
     targets = [(stage, n, num(p["requests_per_s"], 0), num(p["p50_ms"], 1), num(p["p99_ms"], 1),
@@ -332,6 +499,7 @@ def markdown(result: dict[str, Any]) -> str:
                   + ("The default costs 10% or more CPU a text than that." if at_default >= PAYS
                      * cheapest["cpu_ms"] else "No price tried saves 10% or more on the default.")],
         "windows_verdict": [windows], "slots": [slots],
+        **sweep_sections(result),
     }  # fmt: skip
     note = (
         f"{result['seconds']:g} s per server point, {result['rounds']} round(s) in turns, the median"
@@ -354,11 +522,14 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"stamp": {}, "seconds": seconds, "rounds": rounds}
     result["engine"] = engine_ceiling(["sentence"], 0.3 if args.quick else 1.0)["sentence"]
     result["call_overhead"] = call_overhead()
+    result["plateau"] = plateau(64, 1) if args.quick else plateau()
     result["refinements"] = asyncio.run(refinements(rounds + 1))  # a burst is short: a round more
     result["servers"] = servers(seconds, rounds, run.logs("stage3"))
     result["verdict"] = verdict(result)
+    result |= sweep(result)
     result["stamp"] = run.stamp()
     evidence.publish(run, "stage3", result, markdown)
+    print(f"wrote {sweep_figure(result, run.img_dir)}")
 
 
 if __name__ == "__main__":
