@@ -8,7 +8,8 @@ Every server stage starts as ``make stageN`` starts it, all at once, and they ta
 same load from Locust (the Locust file's ``BodiesUser``; stage 1 2 3 4 5, then again; medians over
 the rounds), so a drift of the shared machine hits every stage alike; each settles (idle again)
 before its point. Every point records Locust's own CPU (``load_generator_cpu``). On the loads of
-``--wrk-profiles`` wrk sends the same bodies too, in the same turns: how far the two tools agree.
+``--wrk-profiles`` wrk loads each server too, right after Locust, with texts of its own (what one
+sent, a stage 4 cache would answer for the other): how far the two tools agree.
 Every stage runs with MAX_QUEUE=256 and without CACHE_URL (a shared Redis would keep answers from
 one run to the next).
 ``--against COMMIT``: that commit's stages (a git worktree under out/, this venv and model) and
@@ -154,15 +155,19 @@ def in_turns(
 ) -> list[Any]:
     """Every profile on every server in turns, ``rounds`` times: the same texts for every server in a
     round, new ones in the next. Two sides of a stage swap their order each round (A B, then B A).
-    The profiles named in ``wrk_too`` are loaded by wrk as well, right after Locust, with the same texts."""
+    The profiles named in ``wrk_too`` are loaded by wrk as well, right after Locust, with texts of its own."""
     points = []
     for round_, profile in itertools.product(range(rounds), profiles):
-        requests = bodies(profile, 100 * (round_ + 1) + PROFILES.index(profile), RATE * math.ceil(seconds))
+        seed = 100 * (round_ + 1) + PROFILES.index(profile)
         tools = [TOOL, "wrk"] if profile.name in wrk_too else [TOOL]
+        # each tool its own texts (the same for every server): what one sent, a cache would hand the other
+        requests = {
+            tool: bodies(profile, seed + 50 * i, RATE * math.ceil(seconds)) for i, tool in enumerate(tools)
+        }
         for stage, group in itertools.groupby(servers, key=lambda s: s[0]):
             turn = list(group)
             for tool, (_, side, server) in itertools.product(tools, turn if round_ % 2 == 0 else turn[::-1]):
-                p = measure(server, profile, requests, seconds, tool)
+                p = measure(server, profile, requests[tool], seconds, tool)
                 points.append({"stage": stage, "side": side, "round": round_, "profile": profile.name, **p})
                 print(f"round {round_ + 1}/{rounds}, {profile.name}, {stage} {side}: {p}", flush=True)
     return points
