@@ -104,6 +104,18 @@ class Settings(BaseSettings):
     batch_high_threshold: int = Field(
         10, ge=1, description="From this many queued texts on the tier is HIGH."
     )
+    batch_tier_rule: Literal["depth", "rate"] = Field(
+        "depth",
+        description="What picks a batch's load tier: `depth`, the texts queued now (the two thresholds "
+        "above); `rate`, the texts served over the last second (BATCH_RATE_LOW, BATCH_RATE_HIGH). The "
+        "stage 3 chapter measures both.",
+    )
+    batch_rate_low: float = Field(
+        100.0, gt=0, description="BATCH_TIER_RULE=rate: below this many texts served a second, LOW."
+    )
+    batch_rate_high: float = Field(
+        200.0, gt=0, description="BATCH_TIER_RULE=rate: from this many texts served a second on, HIGH."
+    )
     group_by_length: bool = Field(True, description="Pick texts of similar length for one batch.")
     group_window: int = Field(
         96,
@@ -160,7 +172,8 @@ class Settings(BaseSettings):
         0.0,
         ge=0,
         description="After SIGTERM, how long the server goes on serving with readiness 503 before it "
-        "stops accepting; set it above your load balancer's probe interval (0: stop at once).",
+        "stops accepting; set it above your load balancer's probe interval times the failed probes it "
+        "waits for (0: stop at once).",
     )
     drain_timeout_s: float = Field(
         20.0, gt=0, description="Longest wait for the requests in progress once the server stops accepting."

@@ -6,6 +6,7 @@ runs it, and a test or an experiment leaves any out. A policy switched off by it
 textbook's way.
 
 1. load tiers (``LoadTiers``, the window): BATCH_LOW_THRESHOLD, BATCH_HIGH_THRESHOLD, BATCH_WINDOW_HIGH_MS
+   (``RateTiers``, BATCH_TIER_RULE=rate: the tier from a rate instead, the rule the chapter measures)
 2. length grouping (``lengths.GroupByLength``, the order of the take): GROUP_BY_LENGTH, GROUP_WINDOW
 3. length buckets (``lengths.LengthBuckets``, the split of a batch): SPLIT_BY_LENGTH, CALL_OVERHEAD_TOKENS
 4. failure isolation (``halves``, the retry of a failed call): always on
@@ -15,6 +16,8 @@ textbook's way.
 from __future__ import annotations
 
 import math
+import time
+from collections import deque
 from collections.abc import Callable
 
 from common.settings import Settings
@@ -45,6 +48,36 @@ class LoadTiers:
 
 
 # --8<-- [end:tiers]
+
+
+# --8<-- [start:rate]
+class RateTiers:
+    """The rule load tiers are measured against (BATCH_TIER_RULE=rate): the tier from the texts
+    served over the last second, a rate as a dashboard shows it, not from the queue right now.
+    Below BATCH_RATE_LOW texts a second LOW, from BATCH_RATE_HIGH on HIGH; the same windows."""
+
+    interval_s = 1.0
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.served: deque[tuple[float, int]] = deque()  # (when, texts) of each batch run lately
+
+    def observe(self, record: BatchRecord) -> None:
+        """Told of every batch once it has run (the batcher's ``watch``)."""
+        self.served.append((time.perf_counter(), record.size))
+
+    def __call__(self, depth: int) -> tuple[str, float]:
+        while self.served and self.served[0][0] < time.perf_counter() - self.interval_s:
+            self.served.popleft()
+        rate, s = sum(n for _, n in self.served) / self.interval_s, self.settings
+        if rate < s.batch_rate_low:  # what the load was over the last second, whatever is queued now
+            return "low", 0.0
+        if rate < s.batch_rate_high:
+            return "medium", s.batch_window_ms / 1e3
+        return "high", s.batch_window_high_ms / 1e3
+
+
+# --8<-- [end:rate]
 
 
 # --8<-- [start:slots]
@@ -97,16 +130,20 @@ def refined(
     """The textbook batcher with the refinements (all of them, as the server runs it); each one
     left out, or switched off by its setting, is the textbook's way."""
     s = settings
-    return Batcher(
+    rate = RateTiers(s) if tiers and s.batch_tier_rule == "rate" else None
+    batcher = Batcher(
         run,
         s,
         on_batch=on_batch,
-        window=LoadTiers(s) if tiers else None,  # 1. BATCH_LOW_THRESHOLD=1: no LOW tier
+        window=(rate or LoadTiers(s)) if tiers else None,  # 1. BATCH_LOW_THRESHOLD=1: no LOW tier
         order=GroupByLength(s) if grouping and s.group_by_length else None,  # 2. GROUP_BY_LENGTH
         split=LengthBuckets(s.call_overhead_tokens).calls if buckets and s.split_by_length else None,  # 3.
         retry=halves if isolation else None,  # 4. always on
         slots=BusySlots(s) if busy_slots else None,  # 5. always on
     )
+    if rate is not None:
+        batcher.watch(rate.observe)  # the rate rule counts the batches that ran
+    return batcher
 
 
 # --8<-- [end:compose]

@@ -13,7 +13,8 @@ from common.api import backend_of
 from stage3_batching.batcher import Batcher
 
 BATCHER_SETTINGS = ("batcher", "max_batch_size", "max_batch_tokens", "batch_concurrency", "batch_window_ms",
-          "batch_window_high_ms", "batch_low_threshold", "batch_high_threshold", "group_by_length",
+          "batch_window_high_ms", "batch_low_threshold", "batch_high_threshold", "batch_tier_rule",
+          "batch_rate_low", "batch_rate_high", "group_by_length",
           "group_window", "split_by_length", "call_overhead_tokens")  # fmt: skip
 
 router = APIRouter(tags=["batcher"])

@@ -12,6 +12,7 @@ each caller's vectors with the engine alone.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import itertools
 import random
@@ -27,7 +28,7 @@ from common.engine import Engine, TokenizedText, l2_normalize
 from common.settings import Settings
 from stage3_batching.batcher import BatchOutcome, BatchRecord, DeadlineExceeded, Slots
 from stage3_batching.lengths import length_buckets
-from stage3_batching.refined import halves, refined
+from stage3_batching.refined import RateTiers, halves, refined
 
 Batcher = textbook_batcher()  # stage 3's; with EXERCISE=1 yours (exercises/stage3_batching/batcher.py)
 Kind = Callable[..., Batcher]  # a batcher class, or refined with some of its pieces
@@ -737,6 +738,34 @@ async def test_tiers_let_a_lone_request_skip_the_window(
     await asyncio.wait_for(batcher.close(), SHORT)  # closing ends the window's wait
     assert markers(task.result()) == [7]
     assert [r.tier for r in records] == [tier]
+
+
+def test_the_rate_rule_picks_the_tier_from_the_texts_served_over_the_last_second() -> None:
+    """BATCH_TIER_RULE=rate: what ran over the last second decides, whatever is queued now."""
+    rule = RateTiers(make_settings(batch_rate_low=100, batch_rate_high=200, batch_window_ms=2,
+                                   batch_window_high_ms=5))  # fmt: skip
+    assert rule(50) == ("low", 0.0)  # nothing served yet: LOW, with 50 texts queued
+    record = BatchRecord(size=60, padded_tokens=60, real_tokens=60, tier="", queue_ms=[], inference_ms=1.0,
+                         error=None)  # fmt: skip
+    rule.observe(record)
+    rule.observe(record)
+    assert rule(0) == ("medium", 0.002)  # 120 texts a second: MEDIUM with nothing queued
+    rule.observe(record)
+    rule.observe(record)
+    assert rule(0) == ("high", 0.005)
+    rule.served = collections.deque((t - 1.5, n) for t, n in rule.served)  # all of it over a second ago
+    assert rule(0) == ("low", 0.0) and not rule.served
+
+
+async def test_the_refined_batcher_under_the_rate_rule_counts_the_batches_it_ran(
+    model: FakeModel, records: list[BatchRecord]
+) -> None:
+    batcher = await started(model, records, batch_tier_rule="rate", batch_rate_low=2, batch_rate_high=100)
+    await done(submit(batcher, 1))
+    await done(submit(batcher, 2))  # the first ran: 1 text a second, under BATCH_RATE_LOW
+    await done(submit(batcher, 3))  # two ran: 2 texts a second, MEDIUM, with nothing else queued
+    assert [r.tier for r in records] == ["low", "low", "medium"]
+    await batcher.close()
 
 
 @pytest.mark.parametrize(("kind", "first_calls"), [(Batcher, [8]), (Busy, [4, 4])], ids=["textbook", "busy"])
