@@ -19,11 +19,11 @@ class BatchRecord:
     padded_tokens: int  # rows x longest row, summed over the calls: what the model computes
     real_tokens: int  # sum of row lengths: what was asked for
     tier: str  # the load tier, low | medium | high (refined.py); "" here: one window for every batch
-    queue_ms: list[float]  # per text: enqueued -> batch start
-    inference_ms: float
+    queue_ms: list[float]  # per text: enqueued -> its model slot starts the batch
+    inference_ms: float  # the model slot's time on the batch (every call, the split and retries)
     error: str | None  # exception type name when the model raised
     calls: int = 1  # model calls the batch ran as (more with the refinements)
-    started: float = 0.0  # perf_counter when it was handed to the model
+    started: float = 0.0  # perf_counter when its model slot started it
     slot: str = ""  # the model slot (executor thread) that ran it
     model_s: float = 0.0  # seconds that slot was busy with it
 

@@ -277,15 +277,13 @@ class Batcher:
 
     async def _run_batch(self, batch: list[QueuedText], tier: str) -> None:
         """Run the batch in a model slot's thread, hand each caller its rows, report the batch."""
-        started = time.perf_counter()
         # NEW: the model runs in an executor thread; the event loop keeps serving
         done = await asyncio.get_running_loop().run_in_executor(self._pool, self._compute, batch)
-        record = BatchRecord(
+        record = BatchRecord(  # a text's wait lasts until its slot starts (a batch ahead waits at the pool)
             len(batch), done.padded_tokens, sum(t.n_tokens for t in batch), tier,
-            queue_ms=[(started - t.req.enqueued) * 1e3 for t in batch],
-            inference_ms=(time.perf_counter() - started) * 1e3,
+            queue_ms=[(done.started - t.req.enqueued) * 1e3 for t in batch], inference_ms=done.model_s * 1e3,
             error=next((type(e).__name__ for e in done.errors.values()), None),
-            calls=done.calls, started=started, slot=done.slot, model_s=done.model_s,
+            calls=done.calls, started=done.started, slot=done.slot, model_s=done.model_s,
         )  # fmt: skip
         for row, text in enumerate(batch):
             if done.vectors is None or row in done.errors:
@@ -309,7 +307,8 @@ class Batcher:
         for rows in self.split(batch):
             done.padded_tokens += len(rows) * max(batch[r].n_tokens for r in rows)
             self._run_rows(ids, rows, done)
-        done.model_s, done.slot = time.perf_counter() - started, threading.current_thread().name
+        done.started, done.slot = started, threading.current_thread().name
+        done.model_s = time.perf_counter() - started
         return done
 
     def _run_rows(self, ids: list[np.ndarray], rows: list[int], done: Computed) -> None:

@@ -82,6 +82,7 @@ class Computed:
     vectors: np.ndarray | None = None
     errors: dict[int, Exception] = field(default_factory=dict)
     slot: str = ""  # the model slot (executor thread) that ran it
+    started: float = 0.0  # perf_counter when that slot began it
     model_s: float = 0.0  # how long that slot was busy with it
 
     def put(self, rows: list[int], vectors: np.ndarray) -> None:

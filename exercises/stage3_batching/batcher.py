@@ -124,13 +124,13 @@ class Batcher(stage.Batcher):
         """Run the batch in a model slot's thread, hand each caller its rows, report the batch.
 
         TODO:
-        1. ``started = time.perf_counter()``; run ``self._compute(batch)`` in ``self._pool`` (the
-           event loop's ``run_in_executor``) and await the ``Computed`` it returns.
+        1. Run ``self._compute(batch)`` in ``self._pool`` (the event loop's ``run_in_executor``)
+           and await the ``Computed`` it returns (``done``).
         2. ``record = BatchRecord(...)``: the batch's size, ``done.padded_tokens``, the sum of its
            texts' ``n_tokens``, ``tier``, and by keyword ``queue_ms`` (each text's wait in ms, from
-           its caller's ``enqueued`` to ``started``), ``inference_ms`` (from ``started`` to now),
-           ``error`` (the type name of the first of ``done.errors``, or None), ``calls``,
-           ``started``, ``slot`` and ``model_s`` (from ``done``).
+           its caller's ``enqueued`` to ``done.started``, when the slot began), ``inference_ms``
+           (``done.model_s`` in ms), ``error`` (the type name of the first of ``done.errors``, or
+           None), ``calls``, ``started``, ``slot`` and ``model_s`` (from ``done``).
         3. Row ``i`` is ``batch[i]``'s answer: if ``done.vectors`` is None or ``i`` is in
            ``done.errors``, fail that caller with the error; otherwise deliver the vector
            (``deliver(text.index, done.vectors[i], record, record.queue_ms[i])``).
