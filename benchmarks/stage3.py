@@ -18,6 +18,11 @@ One run, one machine:
   stages 1 and 2 at 32 and 128 connections (the sweep: ``batch_sweep`` and ``baselines``); stage 3
   with windows for its MEDIUM and HIGH tiers, and with one model slot, at 8, 32 and 128
   connections (the windows). A point is its median round.
+* ``classifier``: the refined batcher with the real engine (no HTTP), closed-loop clients that step
+  from 1 to 64 and back (``STEPS``), under the depth rule (the default) and the rate rule
+  (BATCH_TIER_RULE=rate), in turns, with windows set (``RULE_WINDOWS``) so a tier changes what a
+  batch does: how long each rule takes to see the step, the lone requests that waited a window
+  for nothing, and the batches that went at once while 64 clients waited.
 * ``refinements``: 256 mixed texts queued at once, straight into the batcher (no HTTP): the
   textbook ``Batcher``, then the refinements added one at a time in the chapter's order. What the
   batcher decides is counted with a stand-in model (the same on every machine; one text makes it
@@ -53,7 +58,7 @@ from loadtests.evidence import save_figure
 from loadtests.load import locust, settle
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, table
-from stage3_batching.batcher import Batcher, Model
+from stage3_batching.batcher import Batcher, BatchRecord, Model
 from stage3_batching.refined import refined
 
 S1, S2, S3 = "stage1_naive", "stage2_threadpool", "stage3_batching"
@@ -84,6 +89,8 @@ PRICES = (4, 8, 16, 32, 64)  # CALL_OVERHEAD_TOKENS tried
 BAD_ID = 10**9  # a token id no tokenizer makes: the stand-in model raises on it
 LONE_WINDOW_MS = 5.0  # the window the "lone wait" column runs under
 PAYS = 1.10  # a setting other than the default pays when it gains 10% or more (the house rule)
+STEPS = ((1, 3.0), (64, 3.0), (1, 3.0))  # the classifier's load: (clients, seconds), in this order
+RULE_WINDOWS = {"batch_window_ms": 2.0, "batch_window_high_ms": 5.0}  # a MEDIUM and a HIGH batch wait
 
 
 def bodies_for(kind: str, n: int, seed: int) -> list[bytes]:
@@ -136,7 +143,7 @@ def servers(seconds: float, rounds: int, logs: Path) -> list[dict[str, Any]]:
                 for n in loads:
                     settle(up[name].pid, up[name].url)
                     before = batcher_metrics(up[name].url)
-                    point = locust(up[name].url, bodies, n, seconds)
+                    point = locust(up[name].url, bodies, n, seconds, pid=up[name].pid)
                     if (after := batcher_metrics(up[name].url)) and before:
                         batches = after["batches"] - before["batches"]
                         point["average_batch_size"] = (after["texts"] - before["texts"]) / max(1, batches)
@@ -238,6 +245,75 @@ def sweep_figure(result: dict[str, Any], folder: Path) -> Path:
     return save_figure(fig, folder / "batch_sweep.png", result["stamp"])
 
 
+# --- queue depth against request rate ---------------------------------------------------------
+async def step_load(rule: str, engine: Engine, tokens: list[TokenizedText]) -> dict[str, Any]:
+    """``STEPS`` of closed-loop clients through the refined batcher under ``rule``: each batch's
+    tier, size and wait, and when each step began."""
+    records: list[tuple[float, BatchRecord]] = []
+    settings = Settings(batch_tier_rule=rule, **RULE_WINDOWS)  # type: ignore[arg-type]
+    batcher = refined(engine.run, settings, on_batch=lambda r: records.append((r.started, r)))
+    await batcher.start()
+    texts, steps = itertools.cycle(tokens), []
+
+    async def client(until: float) -> None:
+        while time.perf_counter() < until:
+            await batcher.submit([next(texts)])
+
+    for clients, seconds in STEPS:
+        steps.append(time.perf_counter())
+        await asyncio.gather(*(client(steps[-1] + seconds) for _ in range(clients)))
+    await batcher.close()
+    return {"steps": steps, "records": records}
+
+
+def rule_figures(run: dict[str, Any]) -> dict[str, Any]:
+    """What a rule did at the step: how long until it saw 64 clients (a HIGH batch) and until it saw
+    one again (a LOW batch); the batches of one client that waited a window for nothing; the
+    batches of 64 clients that went at once (LOW) rather than wait to fill."""
+    (_, up, down), records = run["steps"], run["records"]
+    phase = {
+        "one": [r for t, r in records if t < up or t >= down],
+        "many": [r for t, r in records if up <= t < down],
+    }
+    first = {what: next((t - at for t, r in records if t >= at and r.tier == tier), None)
+             for what, at, tier in (("up", up, "high"), ("down", down, "low"))}  # fmt: skip
+    lone = [r for r in phase["one"] if r.tier != "low"]
+    missed = [r for r in phase["many"] if r.tier == "low"]
+    return {
+        "react_up_ms": None if first["up"] is None else first["up"] * 1e3,
+        "react_down_ms": None if first["down"] is None else first["down"] * 1e3,
+        "lone_batches": len(phase["one"]),
+        "lone_waited": len(lone),
+        "lone_waited_ms": float(np.mean([np.mean(r.queue_ms) for r in lone])) if lone else 0.0,
+        "busy_batches": len(phase["many"]),
+        "busy_went_at_once": len(missed),
+        "busy_mean_batch": float(np.mean([r.size for r in phase["many"]])) if phase["many"] else None,
+    }
+
+
+async def classifier(rounds: int) -> dict[str, Any]:
+    """The depth rule and the rate rule in turns, ``rounds`` times each: the median of each figure."""
+    settings = Settings()
+    engine = Engine.from_settings(settings, calls_at_once=settings.batch_concurrency)
+    engine.warmup()
+    tokens = engine.tokenize(corpus.texts(2000, seed=CEILING_SEED, kind="sentence"))
+    runs: dict[str, list[dict[str, Any]]] = {"depth": [], "rate": []}
+    for _, rule in itertools.product(range(rounds), runs):
+        runs[rule].append(rule_figures(await step_load(rule, engine, tokens)))
+        print(orjson.dumps({"rule": rule, **runs[rule][-1]}).decode(), flush=True)
+    rows = []
+    for rule, got in runs.items():
+        row: dict[str, Any] = {"rule": rule, "rounds": got}
+        for key in got[0]:
+            measured = [g[key] for g in got if g[key] is not None]
+            row[key] = statistics.median(measured) if measured else None
+        rows.append(row)
+    s = Settings()
+    return {"steps": [list(x) for x in STEPS], "windows_ms": RULE_WINDOWS, "rows": rows,
+            "thresholds": {"depth": [s.batch_low_threshold, s.batch_high_threshold],
+                           "rate": [s.batch_rate_low, s.batch_rate_high]}}  # fmt: skip
+
+
 # --- the batcher alone -----------------------------------------------------------------------
 def _stand_in(ids: list[np.ndarray]) -> np.ndarray:
     if any(row[-1] == BAD_ID for row in ids):
@@ -317,9 +393,37 @@ def verdict(result: dict[str, Any]) -> list[dict[str, Any]]:
     measured = {"engine": s3_32["requests_per_s"] / result["engine"]["texts_per_s"],
                 "rps": s3_32["requests_per_s"] / s2_32["requests_per_s"],
                 "p99": s3_32["p99_ms"] / s2_32["p99_ms"], "p50": s3_1["p50_ms"] / s2_1["p50_ms"]}  # fmt: skip
-    return [{"what": what, "measured": measured[key], "bound": bound, "target": target,
+    return [{"what": what, "key": key, "measured": measured[key], "bound": bound, "target": target,
              "met": measured[key] >= target if bound == "at least" else measured[key] <= target}
             for what, key, bound, target in TARGETS]  # fmt: skip
+
+
+def why_missed(result: dict[str, Any]) -> list[str]:
+    """For each target the run missed, what the same run measured beside it."""
+    s2_1, s3_1, s3_32 = _point(result, "stage 2", 1), _point(result, "0 / 0", 1), _point(result, "0 / 0", 32)
+    served = s3_32["requests_per_s"] * s3_32["window_s"]
+    server_ms = 1e3 * s3_32["server_cpu_s"] / served if s3_32.get("server_cpu_s") and served else None
+    engine_ms = 1e3 * result["stamp"]["machine"]["logical_cores"] / result["engine"]["texts_per_s"]
+    flat = result["plateau"]
+    gain = min(flat[0]["as_they_come_cpu_ms"], flat[0]["sorted_cpu_ms"]) / min(
+        r["sorted_cpu_ms"] for r in flat
+    )
+    reasons = {
+        "engine": f"Against the engine alone: stage 3 spent {num(server_ms, 2)} ms of CPU a request at 32"
+        f" connections, and Locust {s3_32['load_generator_cpu']:.2f} of the cores, where the engine alone"
+        f" spends {engine_ms:.2f} ms of CPU a text: the HTTP, the JSON and the event loop's share of each"
+        " request, which no batch shares ([cost model](cost_model.md)).",
+        "rps": f"Against stage 2 in requests a second: a batch shares the model call, and the engine alone"
+        f" gains {gain:.2f}x a text from batching these sentences (the plateau above); each request's own"
+        " work (HTTP, JSON, its tokenizer run) is the same in both stages.",
+        "p99": "The p99 against stage 2: a request waits for its whole batch"
+        f" ({num(s3_32.get('average_batch_size'), 1)} texts on average at 32 connections), every row as long"
+        " as the longest.",
+        "p50": f"At one connection a request passes through the queue and the batcher's task, a hop stage 2"
+        f" does not make: p50 {num(s3_1['p50_ms'], 1)} against {num(s2_1['p50_ms'], 1)} ms.",
+    }
+    missed = [reasons[v["key"]] for v in result["verdict"] if not v["met"]]
+    return [" ".join(missed) if missed else "Every target is met in this run."]
 
 
 def _windows(result: dict[str, Any]) -> list[str]:
@@ -459,6 +563,43 @@ def sweep_sections(result: dict[str, Any]) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
+def classifier_sections(c: dict[str, Any]) -> dict[str, list[str]]:
+    """The two rules side by side, and which one this run favours, figure by figure."""
+    rows = {r["rule"]: r for r in c["rows"]}
+    low, high = c["thresholds"]["depth"]
+    named = {
+        "depth": f"depth: LOW under {low} texts queued, HIGH from {high}",
+        "rate": "rate: LOW under {:g} texts served a second, HIGH from {:g}".format(*c["thresholds"]["rate"]),
+    }
+    table_rows = [(named[rule], num(r["react_up_ms"], 0), num(r["react_down_ms"], 0),
+                   f"{r['lone_waited']:.0f} of {r['lone_batches']:.0f}", num(r["lone_waited_ms"], 2),
+                   f"{r['busy_went_at_once']:.0f} of {r['busy_batches']:.0f}", num(r["busy_mean_batch"], 1))
+                  for rule, r in rows.items()]  # fmt: skip
+    figures = {"react_up_ms": "sees 64 clients sooner", "react_down_ms": "sees one client again sooner",
+               "lone_waited": "holds fewer lone requests for nothing", "busy_went_at_once":
+               "sends fewer batches off at once under load"}  # fmt: skip
+    wins = {}
+    for key in figures:
+        d, r = rows["depth"][key], rows["rate"][key]
+        d, r = (math.inf if d is None else d), (math.inf if r is None else r)  # never: the worst
+        wins[key] = "depth" if d < r else "rate" if r < d else "neither"
+    said = "; ".join(f"{'the ' + w + ' rule' if w != 'neither' else 'neither rule'} {figures[k]}"
+                     for k, w in wins.items())  # fmt: skip
+    depth_wins = sum(w == "depth" for w in wins.values())
+    (one, a), (many, b), _ = c["steps"]
+    windows = c["windows_ms"]
+    return {
+        "classifier": table(["rule", "sees the step up, ms", "sees the step down, ms",
+                             "lone batches that waited", "their wait, ms", "batches of 64 sent at once",
+                             "mean batch, 64 clients"], table_rows, "lrrrrrr"),
+        "classifier_verdict": [
+            f"{one} client for {a:g} s, {many} for {b:g} s, then {one} again, windows of"
+            f" {windows['batch_window_ms']:g} ms (MEDIUM) and {windows['batch_window_high_ms']:g} ms"
+            f" (HIGH), the median of {len(rows['depth']['rounds'])} runs each: {said}. The depth rule is"
+            f" ahead on {depth_wins} of {len(wins)}."],
+    }  # fmt: skip
+
+
 def markdown(result: dict[str, Any]) -> str:
     e, call, ref = result["engine"], result["call_overhead"], result["refinements"]
     targets = [(stage, n, num(p["requests_per_s"], 0), num(p["p50_ms"], 1), num(p["p99_ms"], 1),
@@ -498,8 +639,9 @@ def markdown(result: dict[str, Any]) -> str:
                   f" {cheapest['price']}: {cheapest['cpu_ms'] / at_default:.2f}x. "
                   + ("The default costs 10% or more CPU a text than that." if at_default >= PAYS
                      * cheapest["cpu_ms"] else "No price tried saves 10% or more on the default.")],
-        "windows_verdict": [windows], "slots": [slots],
+        "windows_verdict": [windows], "slots": [slots], "why_missed": why_missed(result),
         **sweep_sections(result),
+        **classifier_sections(result["classifier"]),
     }  # fmt: skip
     note = (
         f"{result['seconds']:g} s per server point, {result['rounds']} round(s) in turns, the median"
@@ -523,6 +665,7 @@ def main(argv: list[str] | None = None) -> None:
     result["engine"] = engine_ceiling(["sentence"], 0.3 if args.quick else 1.0)["sentence"]
     result["call_overhead"] = call_overhead()
     result["plateau"] = plateau(64, 1) if args.quick else plateau()
+    result["classifier"] = asyncio.run(classifier(1 if args.quick else 3))
     result["refinements"] = asyncio.run(refinements(rounds + 1))  # a burst is short: a round more
     result["servers"] = servers(seconds, rounds, run.logs("stage3"))
     result["verdict"] = verdict(result)

@@ -22,13 +22,16 @@ from benchmarks.stage3 import (
     bodies_for,
     burst,
     call_overhead,
+    classifier_sections,
     markdown,
     plateau,
+    rule_figures,
     verdict,
 )
 from common.engine import Engine
 from common.settings import Settings
 from loadtests.load import locust
+from stage3_batching.batcher import BatchRecord
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results"
@@ -83,6 +86,36 @@ def test_the_plateau_times_each_batch_size_in_both_orders() -> None:
     assert [r["batch"] for r in rows] == sorted({*SWEPT, Settings().max_batch_size})
     for r in rows:
         assert all(r[f"{o}_{w}_ms"] > 0 for o in ("as_they_come", "sorted") for w in ("cpu", "wall")), r
+
+
+def _batch(tier: str, size: int, queue_ms: float = 0.0) -> BatchRecord:
+    return BatchRecord(size, size, size, tier, [queue_ms] * size, 1.0, None)
+
+
+def test_a_rule_is_judged_by_what_it_did_at_the_step() -> None:
+    """One client (0-10 s), 64 (10-20 s), one again: the first HIGH batch after the step up, the
+    first LOW after the step down, lone batches that waited, busy batches sent at once."""
+    records = [(1.0, _batch("low", 1)), (2.0, _batch("medium", 1, 2.0)), (10.5, _batch("low", 4)),
+               (11.0, _batch("high", 16)), (20.2, _batch("high", 1, 5.0)),
+               (20.4, _batch("low", 1))]  # fmt: skip
+    got = rule_figures({"steps": [0.0, 10.0, 20.0], "records": records})
+    assert got["react_up_ms"] == 1000.0 and round(got["react_down_ms"]) == 400
+    assert (got["lone_batches"], got["lone_waited"], got["lone_waited_ms"]) == (4, 2, 3.5)
+    assert (got["busy_batches"], got["busy_went_at_once"], got["busy_mean_batch"]) == (2, 1, 10.0)
+
+
+def test_the_rules_verdict_counts_the_figures_each_rule_wins() -> None:
+    c = _result()["classifier"]
+    rows = {r["rule"]: r for r in c["rows"]}
+    assert set(rows) == {"depth", "rate"} and all(
+        len(r["rounds"]) == len(rows["depth"]["rounds"]) for r in c["rows"]
+    )
+    said = classifier_sections(c)["classifier_verdict"][0]
+    keys = ("react_up_ms", "react_down_ms", "lone_waited", "busy_went_at_once")
+    worst = float("inf")
+    ahead = sum((rows["depth"][k] if rows["depth"][k] is not None else worst)
+                < (rows["rate"][k] if rows["rate"][k] is not None else worst) for k in keys)  # fmt: skip
+    assert f"The depth rule is ahead on {ahead} of 4." in said
 
 
 def test_every_results_section_the_chapters_include_exists() -> None:
