@@ -151,7 +151,7 @@ results: $(if $(LIST),$(VENV)/.installed,setup tools) $(if $(NEEDS_CLUSTER),$(VE
 	$(PY) -m benchmarks.results $(EVIDENCE) $(if $(ONLY),--only $(ONLY)) $(if $(FROM),--from $(FROM)) \
 		$(if $(LIST),--list) $(ARGS)
 
-## compare: every stage in turns under the same wrk loads, each against the one before, and the engine alone (AGAINST=commit: that commit's stages and this checkout's, in turns)
+## compare: every stage in turns under the same Locust loads (wrk beside it on two), each against the one before, and the engine alone (AGAINST=commit: that commit's stages and this checkout's, in turns)
 compare: setup tools
 	$(PY) -m benchmarks.compare $(EVIDENCE) $(if $(AGAINST),--against $(AGAINST)) $(ARGS)
 
