@@ -401,21 +401,24 @@ def verdict(result: dict[str, Any]) -> list[dict[str, Any]]:
 def why_missed(result: dict[str, Any]) -> list[str]:
     """For each target the run missed, what the same run measured beside it."""
     s2_1, s3_1, s3_32 = _point(result, "stage 2", 1), _point(result, "0 / 0", 1), _point(result, "0 / 0", 32)
-    served = s3_32["requests_per_s"] * s3_32["window_s"]
-    server_ms = 1e3 * s3_32["server_cpu_s"] / served if s3_32.get("server_cpu_s") and served else None
+    s2_32 = _point(result, "stage 2", 32)
+
+    def cpu_ms(p: dict[str, Any]) -> float | None:  # the server's CPU a request over the point
+        served = p["requests_per_s"] * p["window_s"]
+        return 1e3 * p["server_cpu_s"] / served if p.get("server_cpu_s") and served else None
+
+    server_ms, stage2_ms = cpu_ms(s3_32), cpu_ms(s2_32)
+    cpu_ratio = server_ms / stage2_ms if server_ms and stage2_ms else None
     engine_ms = 1e3 * result["stamp"]["machine"]["logical_cores"] / result["engine"]["texts_per_s"]
-    flat = result["plateau"]
-    gain = min(flat[0]["as_they_come_cpu_ms"], flat[0]["sorted_cpu_ms"]) / min(
-        r["sorted_cpu_ms"] for r in flat
-    )
     reasons = {
         "engine": f"Against the engine alone: stage 3 spent {num(server_ms, 2)} ms of CPU a request at 32"
         f" connections, and Locust {s3_32['load_generator_cpu']:.2f} of the cores, where the engine alone"
         f" spends {engine_ms:.2f} ms of CPU a text: the HTTP, the JSON and the event loop's share of each"
         " request, which no batch shares ([cost model](cost_model.md)).",
-        "rps": f"Against stage 2 in requests a second: a batch shares the model call, and the engine alone"
-        f" gains {gain:.2f}x a text from batching these sentences (the plateau above); each request's own"
-        " work (HTTP, JSON, its tokenizer run) is the same in both stages.",
+        "rps": f"Against stage 2 in requests a second: at 32 connections stage 3 spent {num(server_ms, 2)} ms"
+        f" of CPU a request, stage 2 {num(stage2_ms, 2)} ({num(cpu_ratio, 2, 'x')}); with the cores busy,"
+        " requests a second follow what a request costs. A batch shares the model call; a request's own"
+        " work (HTTP, JSON, its tokenizer run) stays.",
         "p99": "The p99 against stage 2: a request waits for its whole batch"
         f" ({num(s3_32.get('average_batch_size'), 1)} texts on average at 32 connections), every row as long"
         " as the longest.",
@@ -583,8 +586,10 @@ def classifier_sections(c: dict[str, Any]) -> dict[str, list[str]]:
         d, r = rows["depth"][key], rows["rate"][key]
         d, r = (math.inf if d is None else d), (math.inf if r is None else r)  # never: the worst
         wins[key] = "depth" if d < r else "rate" if r < d else "neither"
-    said = "; ".join(f"{'the ' + w + ' rule' if w != 'neither' else 'neither rule'} {figures[k]}"
-                     for k, w in wins.items())  # fmt: skip
+    by_rule = {w: [figures[k] for k, x in wins.items() if x == w] for w in ("depth", "rate", "neither")}
+    said = "; ".join(f"{'the ' + w + ' rule' if w != 'neither' else 'neither rule'} "
+                     + (", ".join(f[:-1]) + " and " + f[-1] if len(f) > 1 else f[0])
+                     for w, f in by_rule.items() if f)  # fmt: skip
     depth_wins = sum(w == "depth" for w in wins.values())
     (one, a), (many, b), _ = c["steps"]
     windows = c["windows_ms"]
