@@ -188,6 +188,8 @@ def plot(result: dict[str, Any], img: Path) -> Path:
         ax.set_ylabel(label)
         ax.legend(loc="upper right", fontsize="small", ncol=3)
         ax.axvspan(0, result["warmup_s"], color="0.9")  # the warm-up
+        top = max((v for values in lines.values() for v in values if v is not None), default=0)
+        ax.set_ylim(0, top * 1.25 or 1)  # from zero: a rise of a few MiB reads as the small rise it is
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("seconds")
     fig.suptitle(f"stage 5 soak, Redis tier on: {_headline(result)}")
