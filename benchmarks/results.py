@@ -80,6 +80,10 @@ STEPS: tuple[Step, ...] = (
     # layouts x 7 batch sizes x 1 s, and the large batches' overrun)
     Step("compare", "every stage in turns under the same loads (Locust), each against the one before",
          "benchmarks.compare", ("compare.json",), 10, 2.5),
+    # 3 apps in one process (their engines loading, 10 s), 6 rounds x 3 stages x 2000 requests (about
+    # 2 s each), one profiled round each
+    Step("layers", "stages 3, 4 and 5 in one process, the model answering at once: each layer's CPU",
+         "benchmarks.layers", ("layers.json",), 1.5, 0.7),
     # 5 stages x 2 profiles x 2 commits x 3 rounds x (Locust's start and 2.6 s + about 0.8 s), 10 start-ups
     Step("before-after", "stages 1 to 5 of a fixed reference commit and of this checkout, in turns",
          "benchmarks.compare", ("before_after.json",), 5, 1.5,

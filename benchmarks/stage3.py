@@ -196,12 +196,12 @@ def sweep(result: dict[str, Any]) -> dict[str, Any]:
     it, and a batch of one against stage 2 in every round (``batch_of_one``)."""
     points = {(p["server"], p["connections"]): p for p in result["servers"]}
     named = {**{f"batch {b}": b for b in SWEPT}, "0 / 0": Settings().max_batch_size}
-    keep = ("requests_per_s", "p50_ms", "p99_ms")
-    rows = [{"max_batch_size": b, "connections": n, **{k: points[name, n][k] for k in keep},
+    keep = {"req_s": "requests_per_s", "p50_ms": "p50_ms", "p99_ms": "p99_ms"}  # a row's name: the point's
+    rows = [{"max_batch_size": b, "connections": n, **{k: points[name, n][v] for k, v in keep.items()},
              "mean_batch": points[name, n].get("average_batch_size"),
              "rounds": points[name, n]["rounds_requests_per_s"]}
             for name, b in sorted(named.items(), key=lambda x: x[1]) for n in SWEEP]  # fmt: skip
-    baselines = [{"stage": name, "connections": n, **{k: points[name, n][k] for k in keep},
+    baselines = [{"stage": name, "connections": n, **{k: points[name, n][v] for k, v in keep.items()},
                   "rounds": points[name, n]["rounds_requests_per_s"]}
                  for name in ("stage 1", "stage 2") for n in SWEEP]  # fmt: skip
     one = {}
@@ -225,7 +225,7 @@ def sweep_figure(result: dict[str, Any], folder: Path) -> Path:
     for n, colour in zip(SWEEP, ("tab:blue", "tab:orange"), strict=True):
         rows = [r for r in result["batch_sweep"] if r["connections"] == n]
         sizes = [r["max_batch_size"] for r in rows]
-        for ax, key in zip(axes, ("requests_per_s", "p99_ms"), strict=True):
+        for ax, key in zip(axes, ("req_s", "p99_ms"), strict=True):
             ax.plot(sizes, [r[key] for r in rows], "o-", color=colour, label=f"stage 3, {n} connections")
             for base, style in (("stage 1", ":"), ("stage 2", "--")):
                 b = next(x for x in result["baselines"] if (x["stage"], x["connections"]) == (base, n))
@@ -491,7 +491,7 @@ def _defaults(result: dict[str, Any]) -> tuple[str, str]:
 
 def _sweep_row(name: str, r: dict[str, Any]) -> tuple[Any, ...]:
     rounds = ", ".join(num(x, 0) for x in r["rounds"])
-    return (name, r["connections"], num(r["requests_per_s"], 0), num(r["p50_ms"], 1), num(r["p99_ms"], 1),
+    return (name, r["connections"], num(r["req_s"], 0), num(r["p50_ms"], 1), num(r["p99_ms"], 1),
             num(r.get("mean_batch"), 1), rounds)  # fmt: skip
 
 
@@ -529,14 +529,18 @@ def sweep_sections(result: dict[str, Any]) -> dict[str, list[str]]:
         f" {o['verdict']}"
         for n, o in result["batch_of_one"].items()
     )
-    best = {
-        n: max((r for r in sweep if r["connections"] == n), key=lambda r: r["requests_per_s"]) for n in SWEEP
-    }
+    best = {n: max((r for r in sweep if r["connections"] == n), key=lambda r: r["req_s"]) for n in SWEEP}
     first = {n: next(b for b in bases if (b["stage"], b["connections"]) == ("stage 1", n)) for n in SWEEP}
+
+    def against_stage1(n: int, b: dict[str, Any]) -> str:  # the median's ratio, each round's, their word
+        rounds = [x / y for x, y in zip(b["rounds"], first[n]["rounds"], strict=True)]
+        return (f"{b['req_s'] / first[n]['req_s']:.2f}x stage 1, rounds {min(rounds):.2f}–{max(rounds):.2f}x:"
+                f" {rounds_word(rounds)}")  # fmt: skip
+
     peaks = "; ".join(
-        f"at {n} connections MAX_BATCH_SIZE={b['max_batch_size']}, {b['requests_per_s']:.0f} req/s"
-        f" ({b['requests_per_s'] / first[n]['requests_per_s']:.2f}x stage 1; p99 from"
-        f" {first[n]['p99_ms']:.0f} to {b['p99_ms']:.0f} ms), in batches of {b['mean_batch']:.1f} on average"
+        f"at {n} connections MAX_BATCH_SIZE={b['max_batch_size']}, {b['req_s']:.0f} req/s"
+        f" ({against_stage1(n, b)}; p99 from {first[n]['p99_ms']:.0f} to {b['p99_ms']:.0f} ms), in batches of"
+        f" {b['mean_batch']:.1f} on average"
         for n, b in best.items()
     )
     one = next(r for r in sweep if (r["max_batch_size"], r["connections"]) == (1, SWEEP[0]))
@@ -562,7 +566,7 @@ def sweep_sections(result: dict[str, Any]) -> dict[str, list[str]]:
         "batch_of_one": [f"Stage 3 with MAX_BATCH_SIZE=1 against stage 2, in requests a second: {said}."],
         "plateau": table(["batch", "CPU ms a text, as they come", "sorted by length",
                           "wall ms a text, as they come", "sorted by length"], plateau, "rrrrr"),
-        "plateau_verdict": [_plateau_said(flat, best[SWEEP[0]]["requests_per_s"] / one["requests_per_s"])],
+        "plateau_verdict": [_plateau_said(flat, best[SWEEP[0]]["req_s"] / one["req_s"])],
     }  # fmt: skip
 
 

@@ -54,3 +54,34 @@ def test_the_bench_command_runs() -> None:
         [sys.executable, "-m", "benchmarks.stage4", "--help"], capture_output=True, text=True
     )
     assert done.returncode == 0 and "stage4.json" in done.stdout and "--record" in done.stdout
+
+
+def test_the_layers_run_every_stage_in_turns_and_name_where_the_time_goes(tmp_path: Path) -> None:
+    """`make results ONLY=layers`, one short round: every stage measured and profiled, each over the one
+    before in the same round, and the functions named are the repository's."""
+    from benchmarks import layers
+
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.layers", "--quick", "--rounds", "1", "--top", "3",
+         "--out", str(tmp_path)],
+        cwd=RESULTS.parent.parent, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "layers.json").read_text())
+    assert set(result["runs"]) == set(layers.STAGES) and all(
+        len(r) == 1 and r[0] > 0 for r in result["runs"].values()
+    )
+    for before, stage in zip(layers.STAGES, layers.STAGES[1:], strict=False):
+        assert result["summary"][stage]["rounds_us"] == [result["runs"][stage][0] - result["runs"][before][0]]
+    for stage in layers.STAGES:
+        named = result["where"][stage]
+        assert len(named) == 3 and all(w["us"] > 0 and not w["function"].startswith("/") for w in named)
+    assert (tmp_path / "layers.md").read_text() == layers.markdown(result)
+
+
+def test_the_layers_page_is_rendered_from_the_committed_json() -> None:
+    from benchmarks import layers
+
+    assert (RESULTS / "layers.md").read_text() == layers.markdown(
+        json.loads((RESULTS / "layers.json").read_text())
+    )
