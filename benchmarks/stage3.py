@@ -435,7 +435,7 @@ def _windows(result: dict[str, Any]) -> list[str]:
         points = [
             _point(result, name, n)
             for name, (stage, _, loads) in SERVERS.items()
-            if stage == S3 and n in loads
+            if stage == S3 and n in loads and not name.startswith("batch ")  # the sweep has its own table
         ]
         best = max(p["requests_per_s"] for p in points)
         for p in points:
@@ -479,11 +479,13 @@ def _defaults(result: dict[str, Any]) -> tuple[str, str]:
     engine = f"the engine alone, without a server, {agrees}: it was fastest with {calls} call(s) side by side"
     slots = (
         f"One model slot against two (the default), in requests/s: {one[0]:.2f}x at 8 connections,"
-        f" {one[1]:.2f}x at 32: one slot gains "
+        f" {one[1]:.2f}x at 32: one slot "
         + (
-            f"10% or more, so this run's servers do not support the default; {engine}."
+            f"gains 10% or more, so this run's servers do not support the default; {engine}."
             if max(one) >= PAYS
-            else f"less than 10%: the measurement supports the default; {engine}."
+            else f"loses 10% or more: the measurement supports the default; {engine}."
+            if min(one) <= 1 / PAYS
+            else f"is within 10% of two: the measurement supports the default; {engine}."
         )
     )
     return windows, slots
