@@ -91,7 +91,8 @@ def where(profile: cProfile.Profile, requests: int, top: int) -> list[dict[str, 
     """The repository's functions with the most own time, in microseconds a request."""
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
     rows = [(f"{Path(file).relative_to(REPO)}:{line} {name}", own * 1e6 / requests)
-            for (file, line, name), (_, _, own, _, _) in stats.items() if file.startswith(REPO)]  # fmt: skip
+            for (file, line, name), (_, _, own, _, _) in stats.items()
+            if file.startswith(REPO) and "site-packages" not in file]  # fmt: skip
     rows.sort(key=lambda r: -r[1])
     return [{"function": f, "us": round(us, 1)} for f, us in rows[:top]]
 
