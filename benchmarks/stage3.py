@@ -587,11 +587,14 @@ def classifier_sections(c: dict[str, Any]) -> dict[str, list[str]]:
     figures = {"react_up_ms": "sees 64 clients sooner", "react_down_ms": "sees one client again sooner",
                "lone_waited": "holds fewer lone requests for nothing", "busy_went_at_once":
                "sends fewer batches off at once under load"}  # fmt: skip
-    wins = {}
-    for key in figures:
-        d, r = rows["depth"][key], rows["rate"][key]
+
+    def winner(d: float | None, r: float | None) -> str:
         d, r = (math.inf if d is None else d), (math.inf if r is None else r)  # never: the worst
-        wins[key] = "depth" if d < r else "rate" if r < d else "neither"
+        return "depth" if d < r else "rate" if r < d else "neither"
+
+    wins = {key: winner(rows["depth"][key], rows["rate"][key]) for key in figures}
+    runs = zip(rows["depth"]["rounds"], rows["rate"]["rounds"], strict=True)
+    every = all(winner(d[k], r[k]) == w for d, r in runs for k, w in wins.items())  # each run agrees
     by_rule = {w: [figures[k] for k, x in wins.items() if x == w] for w in ("depth", "rate", "neither")}
     said = "; ".join(f"{'the ' + w + ' rule' if w != 'neither' else 'neither rule'} "
                      + (", ".join(f[:-1]) + " and " + f[-1] if len(f) > 1 else f[0])
@@ -607,7 +610,8 @@ def classifier_sections(c: dict[str, Any]) -> dict[str, list[str]]:
             f"{one} client for {a:g} s, {many} for {b:g} s, then {one} again, windows of"
             f" {windows['batch_window_ms']:g} ms (MEDIUM) and {windows['batch_window_high_ms']:g} ms"
             f" (HIGH), the median of {len(rows['depth']['rounds'])} runs each: {said}. The depth rule is"
-            f" ahead on {depth_wins} of {len(wins)}."],
+            f" ahead on {depth_wins} of {len(wins)}" + (", in every run." if every else "; the runs disagree"
+            " on some: read the table's medians with that in mind.")],
     }  # fmt: skip
 
 

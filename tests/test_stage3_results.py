@@ -115,7 +115,7 @@ def test_the_rules_verdict_counts_the_figures_each_rule_wins() -> None:
     worst = float("inf")
     ahead = sum((rows["depth"][k] if rows["depth"][k] is not None else worst)
                 < (rows["rate"][k] if rows["rate"][k] is not None else worst) for k in keys)  # fmt: skip
-    assert f"The depth rule is ahead on {ahead} of 4." in said
+    assert f"The depth rule is ahead on {ahead} of 4" in said
 
 
 def test_every_results_section_the_chapters_include_exists() -> None:
