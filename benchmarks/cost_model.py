@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks.stage3 import bodies_for, call_overhead
+from benchmarks.stage3 import bodies_for
 from common import corpus
 from common.engine import Engine
 from common.settings import Settings
@@ -74,7 +74,6 @@ def constants(rounds: int, n: int) -> dict[str, Any]:
         "model_ms_all_threads": _ms(lambda i: every.run([ids[i]]), n, rounds, time.perf_counter),
         "per_text_in_batch_ms": _ms(lambda i: slot.run(ids[i * BATCH_K : (i + 1) * BATCH_K]), 4, rounds, cpu)
         / BATCH_K,
-        "call_overhead": call_overhead(BATCH_K),
         "tokenize_ms": _ms(lambda i: slot.tokenize([texts[i]]), n, rounds, cpu),
         "hop_ms": _ms(lambda _: asyncio.run(hops()), 1, rounds, cpu) / n,
     }
@@ -127,12 +126,11 @@ def predict(c: dict[str, Any], http: dict[str, dict[str, float]], cores: int) ->
 
 
 def markdown(result: dict[str, Any]) -> str:
-    c, cores, call = result["constants"], result["cores"], result["constants"]["call_overhead"]
+    c, cores = result["constants"], result["cores"]
     null, pred, got = result["measured"][SERVERS[0]], result["prediction"], result["measured"]
     rows = [
         ("model, 1 text, as a worker calls it", num(c["model_ms"], 2), "CPU ms per call (stages 2, 3)"),
         ("model, 1 text, every thread", num(c["model_ms_all_threads"], 2), "wall ms per call (stages 0, 1)"),
-        ("overhead of one more call", num(call["fixed_ms"], 2), f"CPU ms ({BATCH_K} calls vs 1 call)"),
         (f"a text in a padded call of {BATCH_K}", num(c["per_text_in_batch_ms"], 2), "CPU ms per text"),
         ("tokenize 1 text", num(c["tokenize_ms"], 3), "CPU ms"),
         ("hop to a thread and back", num(c["hop_ms"], 3), "CPU ms"),
@@ -152,7 +150,6 @@ def markdown(result: dict[str, Any]) -> str:
 
     s1, s2, s3 = SERVERS[1:]
     alone, batched, h = c["model_ms"], c["per_text_in_batch_ms"], null["32"]["server_cpu_ms"]
-    saving = call["in_batch_ms"] / call["alone_ms"]
     sections = {
         "constants": table(["constant", "value", "unit"], rows, "lrl"),
         "prediction": prediction,
@@ -160,10 +157,7 @@ def markdown(result: dict[str, Any]) -> str:
                     f" stage 2 against stage 1: {ratio(s2, s1, '32')}; stage 3 against stage 2:"
                     f" {ratio(s3, s2, '32')}."],
         "batching": [f"A text costs the model {alone:.2f} ms alone and {batched:.2f} ms as one of {BATCH_K}"
-                     f" sentences in one call, padded to the longest ({batched / alone:.2f}x). One more call"
-                     f" costs {call['fixed_ms']:.2f} ms: without padding, a text of {call['length']} tokens"
-                     f" costs {call['alone_ms']:.2f} ms alone and {call['in_batch_ms']:.2f} ms as one of"
-                     f" {call['k']} of that length in one call ({saving:.2f}x)."],
+                     f" sentences in one call, padded to the longest ({batched / alone:.2f}x)."],
         "loop": [f"The HTTP side alone (the contract with no model) spends {h:.2f} ms of CPU a request:"
                  f" one event loop can carry at most"
                  f" {1e3 / h:,.0f} requests/s, a rate the cores reach with about"
