@@ -57,6 +57,21 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+# The vector instructions an INT8 model's speed hangs on, widest first: two CPUs of one name can
+# differ here by several times (this project's results came from an AVX-512 one and an AVX2 one).
+ISA = {"amx_int8": "AMX", "avx512_vnni": "AVX-512 VNNI", "avx512f": "AVX-512", "avx2": "AVX2"}
+
+
+def _isa() -> str:
+    """The widest of ``ISA`` the CPU has ("" where /proc/cpuinfo says nothing)."""
+    try:
+        flags = next((set(line.split(":", 1)[1].split()) for line in Path("/proc/cpuinfo").read_text()
+                      .splitlines() if line.startswith("flags")), set())  # fmt: skip
+    except OSError:
+        return ""
+    return next((name for flag, name in ISA.items() if flag in flags), "")
+
+
 def _version(package: str) -> str:
     try:
         return metadata.version(package)
@@ -68,6 +83,7 @@ def machine() -> dict[str, Any]:
     """The one machine record every results file carries."""
     return {
         "cpu_model": _cpu_model(),
+        "isa": _isa(),
         "logical_cores": psutil.cpu_count(logical=True),
         "physical_cores": psutil.cpu_count(logical=False),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
@@ -393,7 +409,9 @@ def describe(stamp: dict[str, Any]) -> str:
     dirty = " with uncommitted changes" if stamp.get("dirty") else ""
     where = f"at commit `{commit}`{dirty} on {when} UTC ({_duration(stamp.get('wall_s'))})"
     text = (
-        f"Measured by `{stamp.get('command', '?')}` {where}: {m.get('cpu_model', '?')},"
+        f"Measured by `{stamp.get('command', '?')}` {where}: {m.get('cpu_model', '?')}"
+        + (f" ({m['isa']})" if m.get("isa") else "")
+        + ","
         f" {m.get('logical_cores', '?')} logical cores, {m.get('memory_gib', '?')} GiB memory,"
         f" Python {m.get('python', '?')}; {settings_words(stamp)}."
     )

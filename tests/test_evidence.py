@@ -44,6 +44,7 @@ def test_a_stamp_has_every_field_and_one_machine_record() -> None:
     assert stamp["command"] == "python -m benchmarks.example --record"
     assert set(stamp["machine"]) == {
         "cpu_model",
+        "isa",
         "logical_cores",
         "physical_cores",
         "memory_gib",
