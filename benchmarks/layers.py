@@ -30,10 +30,9 @@ from typing import Any
 
 import httpx
 import numpy as np
-import orjson
 from fastapi import FastAPI
 
-from common import corpus
+from benchmarks.stage3 import bodies_for
 from common.engine import Engine
 from loadtests import evidence
 from loadtests.tables import num, page, stage_label, table
@@ -83,10 +82,6 @@ async def one_round(client: httpx.AsyncClient, bodies: list[bytes]) -> float:
     return (time.thread_time() - started) * 1e6 / len(bodies)
 
 
-def _bodies(seed: int) -> list[bytes]:
-    return [orjson.dumps({"inputs": [t]}) for t in corpus.texts(REQUESTS, seed=seed, kind="sentence")]
-
-
 def where(profile: cProfile.Profile, requests: int, top: int) -> list[dict[str, Any]]:
     """The repository's functions with the most own time, in microseconds a request."""
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
@@ -102,10 +97,11 @@ async def measure(rounds: int, top: int) -> dict[str, Any]:
     async with contextlib.AsyncExitStack() as stack:
         clients = {s: await stack.enter_async_context(client_of(build(s))) for s in STAGES}
         for s in STAGES:  # every path warm: imports, first batches, caches of code
-            await one_round(clients[s], _bodies(900)[:300])
+            await one_round(clients[s], bodies_for("sentence", 300, 900))
         runs: dict[str, list[float]] = {s: [] for s in STAGES}
         for r in range(rounds):
-            bodies = _bodies(1000 + r)  # new texts each round, the same for every stage: all misses
+            # new texts each round, the same for every stage: all misses
+            bodies = bodies_for("sentence", REQUESTS, 1000 + r)
             for s in STAGES if r % 2 == 0 else STAGES[::-1]:
                 runs[s].append(round(await one_round(clients[s], bodies), 1))
                 print(f"round {r + 1}/{rounds} {s}: {runs[s][-1]} us a request", flush=True)
@@ -113,7 +109,7 @@ async def measure(rounds: int, top: int) -> dict[str, Any]:
         for s in STAGES:
             profile = cProfile.Profile()
             profile.enable()
-            await one_round(clients[s], _bodies(2000))
+            await one_round(clients[s], bodies_for("sentence", REQUESTS, 2000))
             profile.disable()
             profiles[s] = where(profile, REQUESTS, top)
     return {"runs": runs, "where": profiles}

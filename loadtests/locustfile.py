@@ -31,6 +31,7 @@ import psutil
 from locust import FastHttpUser, between, constant, events, task
 
 from common import corpus
+from loadtests.load import process_cpu
 
 ENDPOINTS = ("/v1/embed", "/v1/embeddings")
 TEXT_KINDS = ("query", "sentence", "passage", "mixed")
@@ -249,14 +250,10 @@ PERCENTILES = (0.50, 0.95, 0.99)  # the run report carries these from Locust's s
 
 def _server_cpu(pid: int) -> float | None:
     """CPU seconds of the server process named by --server-pid and its children (None: none named or seen)."""
-    if not pid:
-        return None
     try:
-        process = psutil.Process(pid)
-        times = [p.cpu_times() for p in [process, *process.children(recursive=True)]]
+        return process_cpu(psutil.Process(pid)) if pid else None
     except psutil.Error:
         return None
-    return sum(t.user + t.system for t in times)
 
 
 @events.init.add_listener

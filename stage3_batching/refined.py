@@ -37,12 +37,14 @@ class LoadTiers:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.low: float = settings.batch_low_threshold  # the thresholds the tier is read against
+        self.high: float = settings.batch_high_threshold
 
-    def __call__(self, depth: int) -> tuple[str, float]:
+    def __call__(self, depth: float) -> tuple[str, float]:
         s = self.settings
-        if depth < s.batch_low_threshold:  # NEW: a lone request is not held hostage for friends
+        if depth < self.low:  # NEW: a lone request is not held hostage for friends
             return "low", 0.0  # that may never come
-        if depth < s.batch_high_threshold:
+        if depth < self.high:
             return "medium", s.batch_window_ms / 1e3
         return "high", s.batch_window_high_ms / 1e3  # NEW: a window of its own where the queue is deep
 
@@ -51,7 +53,7 @@ class LoadTiers:
 
 
 # --8<-- [start:rate]
-class RateTiers:
+class RateTiers(LoadTiers):
     """The rule load tiers are measured against (BATCH_TIER_RULE=rate): the tier from the texts
     served over the last second, a rate as a dashboard shows it, not from the queue right now.
     Below BATCH_RATE_LOW texts a second LOW, from BATCH_RATE_HIGH on HIGH; the same windows."""
@@ -59,22 +61,19 @@ class RateTiers:
     interval_s = 1.0
 
     def __init__(self, settings: Settings) -> None:
-        self.settings = settings
+        super().__init__(settings)
+        self.low, self.high = settings.batch_rate_low, settings.batch_rate_high  # texts a second
         self.served: deque[tuple[float, int]] = deque()  # (when, texts) of each batch run lately
 
     def observe(self, record: BatchRecord) -> None:
         """Told of every batch once it has run (the batcher's ``watch``)."""
         self.served.append((time.perf_counter(), record.size))
 
-    def __call__(self, depth: int) -> tuple[str, float]:
+    def __call__(self, depth: float) -> tuple[str, float]:
         while self.served and self.served[0][0] < time.perf_counter() - self.interval_s:
             self.served.popleft()
-        rate, s = sum(n for _, n in self.served) / self.interval_s, self.settings
-        if rate < s.batch_rate_low:  # what the load was over the last second, whatever is queued now
-            return "low", 0.0
-        if rate < s.batch_rate_high:
-            return "medium", s.batch_window_ms / 1e3
-        return "high", s.batch_window_high_ms / 1e3
+        # what the load was over the last second, whatever is queued now, against the rate thresholds
+        return super().__call__(sum(n for _, n in self.served) / self.interval_s)
 
 
 # --8<-- [end:rate]
