@@ -30,9 +30,6 @@ from common.limits import DeadlineExceeded, NotReady
 from common.settings import Settings
 from stage3_batching.pending import BatchOutcome, Computed, PendingRequest, QueuedText, fits
 
-__all__ = ["BatchOutcome", "BatchRecord", "Batcher", "Computed", "Model", "Oldest", "QueuedText",
-           "Slots", "fits"]  # fmt: skip
-
 log = logging.getLogger("embedserve.batcher")
 Model = Callable[[list[np.ndarray]], np.ndarray]  # token ids of each text -> one vector each
 
@@ -190,15 +187,10 @@ class Batcher:
                 batch = self._take()
                 if not batch and self.queue_depth == before:  # a take that took no text would spin
                     raise RuntimeError(f"the take took none of the {before} texts queued")  # the loop
-            except Exception as exc:  # a bug, not the model: every caller queued gets the error
+            except Exception as exc:  # a bug, not the model: every caller queued gets the error,
                 log.exception("the batcher could not form a batch")
-                for text in self._drain():
-                    text.req.fail(exc)
-                if self._closing:
-                    break
-                self._idle = True  # and the loop waits for new texts, rather than spin on the bug
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                for text in self._drain():  # and the emptied queue makes the loop wait for new
+                    text.req.fail(exc)  # texts, rather than spin on the bug
                 tier, batch = "", []
             if not batch:  # every caller in it was gone
                 slots.release()

@@ -20,8 +20,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from common.batch_stats import BatchRecord
 from common.settings import Settings
-from stage3_batching.batcher import Batcher, BatchRecord, Model, Slots
+from stage3_batching.batcher import Batcher, Model, Slots
 from stage3_batching.lengths import GroupByLength, LengthBuckets
 
 

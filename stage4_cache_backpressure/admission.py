@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from common.batch_stats import BatchRecord
 from common.limits import Overloaded
-from stage3_batching.batcher import BatchRecord
 
 RETRY_AFTER_MAX_S = 30
 

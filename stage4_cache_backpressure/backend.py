@@ -30,7 +30,8 @@ from common.engine import Engine, TokenizedText
 from common.limits import APIError, ClientGone, DeadlineExceeded, Overloaded, model_failed
 from common.settings import Settings
 from stage3_batching.backend import make_batcher
-from stage3_batching.batcher import Batcher, BatchOutcome
+from stage3_batching.batcher import Batcher
+from stage3_batching.pending import BatchOutcome
 from stage4_cache_backpressure.admission import Admission
 from stage4_cache_backpressure.cache import Cache, CacheEntry, cache_key
 from stage4_cache_backpressure.disconnect import unless_client_leaves

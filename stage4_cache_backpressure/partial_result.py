@@ -14,7 +14,7 @@ import numpy as np
 
 from common.api import EmbedJob, EmbedResult, check_truncation
 from common.engine import Engine, TokenizedText, l2_normalize
-from stage3_batching.batcher import BatchOutcome
+from stage3_batching.pending import BatchOutcome
 from stage4_cache_backpressure.cache import CacheEntry
 
 

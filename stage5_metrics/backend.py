@@ -13,8 +13,8 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from common.backend import EmbedJob, EmbedResult
+from common.batch_stats import BatchRecord
 from common.limits import Overloaded
-from stage3_batching.batcher import BatchRecord
 from stage4_cache_backpressure.backend import CacheBackend
 from stage5_metrics.logs import current_record, start_logging, stop_logging
 from stage5_metrics.metrics import Metrics

@@ -32,8 +32,9 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from common.engine import Engine, TokenizedText, l2_normalize
+from common.limits import DeadlineExceeded
 from common.settings import Settings
-from stage3_batching.batcher import Batcher, DeadlineExceeded
+from stage3_batching.batcher import Batcher
 from stage3_batching.refined import refined
 
 # `make test` runs a bounded number of examples; `make fuzz` sets FUZZ_EXAMPLES much higher.

@@ -28,10 +28,10 @@ from benchmarks.stage3 import (
     rule_figures,
     verdict,
 )
+from common.batch_stats import BatchRecord
 from common.engine import Engine
 from common.settings import Settings
 from loadtests.load import locust
-from stage3_batching.batcher import BatchRecord
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results"

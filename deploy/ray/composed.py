@@ -31,7 +31,8 @@ from common.engine import Engine, TokenizedText
 from common.limits import APIError, DeadlineExceeded
 from common.settings import Settings, get_settings
 from deploy.ray.app import ClusterArgs, MetricsToRay, ServedBy, deployment_options, replica_name
-from stage3_batching.batcher import Batcher, BatchOutcome
+from stage3_batching.batcher import Batcher
+from stage3_batching.pending import BatchOutcome
 
 Reply = tuple[np.ndarray, int, float]  # a text's vector, its batch's size, that batch's model ms
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from common.api import EmbedJob, EmbedResult
-from stage3_batching.batcher import BatchRecord
+from common.batch_stats import BatchRecord
 from stage5_metrics import app as stage5
 from stage5_metrics import backend as stage
 from stage5_metrics.logs import current_record  # noqa: F401 (given: this request's log record)
