@@ -221,7 +221,10 @@ def verdict(s: dict[str, Any]) -> list[str]:
         ms = s.get(n, {}).get("capacity", {}).get("cpu_ms")
         if ms and alone:
             proxy = f"; Ray's proxy alone {num(ms.get('proxy'), 1)} ms" if "proxy" in ms else ""
-            total = f"{num(ms['total'], 1)} ms, {ms['total'] / alone:.2f}× plain stage 5's {num(alone, 1)} ms"
+            total = (
+                f"{num(ms['total'], 1)} ms, {ms['total'] / alone:.2f}× plain stage 5's"
+                f" {num(alone, 1)} ms in this run"
+            )
             lines.append(f"- **CPU a request**, {LABELS[n]}: {total}{proxy}.")
     mem = {n: r["capacity"]["rss_mb"]["all"] for n, r in s.items()}
     lines.append(f"- **Memory**, all processes, the least: {_against(mem, False, 'MB', 0)}")

@@ -258,9 +258,16 @@ def markdown(result: dict[str, Any]) -> str:
              for p, m in one.items()])  # fmt: skip
     if "unique-1" in one and "unique-32" in one:
         a, b = one["unique-1"], one["unique-32"]
-        r = ratio(b["requests_per_s"], a["requests_per_s"])
-        sections["stage1"] += ["", f"Stage 1 at 32 connections against 1: {word(r)} in requests a second"
-                               f" ({num(r, 2, '×')}), while a request's median time goes from"
+        rps = {(p["profile"], p["round"]): p["requests_per_s"] for p in result["points"]
+               if p["stage"] == "stage1_naive" and p.get("load_generator", TOOL) == TOOL}  # fmt: skip
+        rounds = [
+            ratio(rps.get(("unique-32", r)), rps.get(("unique-1", r))) for r in sorted({r for _, r in rps})
+        ]
+        said = verdict(
+            "Stage 1 at 32 connections against 1, in requests a second",
+            [("unique-32 over unique-1", ratio(b["requests_per_s"], a["requests_per_s"]), rounds)],
+        )
+        sections["stage1"] += ["", f"{said[:-1]}, while a request's median time goes from"
                                f" {num(a['p50_ms'])} ms to {num(b['p50_ms'])} ms."]  # fmt: skip
     for before, stage in itertools.pairwise(stages):
         a, b, rows = n[before], n[stage], [(p, row[before], row[stage]) for p, row in summary.items()]

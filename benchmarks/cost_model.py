@@ -156,8 +156,9 @@ def markdown(result: dict[str, Any]) -> str:
         "reading": [f"At one connection, stage 1 against stage 2: {ratio(s1, s2, '1')}. At 32 connections,"
                     f" stage 2 against stage 1: {ratio(s2, s1, '32')}; stage 3 against stage 2:"
                     f" {ratio(s3, s2, '32')}."],
-        "batching": [f"A text costs the model {alone:.2f} ms alone and {batched:.2f} ms as one of {BATCH_K}"
-                     f" sentences in one call, padded to the longest ({batched / alone:.2f}x)."],
+        "batching": [f"In this run, on one thread, a text costs the model {alone:.2f} ms of CPU alone and"
+                     f" {batched:.2f} ms as one of {BATCH_K} sentences in one call, padded to the longest"
+                     f" ({batched / alone:.2f}x)."],
         "loop": [f"The HTTP side alone (the contract with no model) spends {h:.2f} ms of CPU a request:"
                  f" one event loop can carry at most"
                  f" {1e3 / h:,.0f} requests/s, a rate the cores reach with about"

@@ -51,6 +51,7 @@ import orjson
 
 from benchmarks.compare import CEILING_SEED, engine_ceiling, rounds_word
 from common import corpus
+from common.batch_stats import BatchRecord
 from common.engine import Engine, TokenizedText
 from common.settings import Settings
 from loadtests import evidence
@@ -58,7 +59,7 @@ from loadtests.evidence import save_figure
 from loadtests.load import locust, settle
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, table
-from stage3_batching.batcher import Batcher, BatchRecord, Model
+from stage3_batching.batcher import Batcher, Model
 from stage3_batching.refined import refined
 
 S1, S2, S3 = "stage1_naive", "stage2_threadpool", "stage3_batching"
@@ -398,6 +399,17 @@ def verdict(result: dict[str, Any]) -> list[dict[str, Any]]:
             for what, key, bound, target in TARGETS]  # fmt: skip
 
 
+def _twins(ref: dict[str, Any], default: int) -> str:
+    """The last row and the prices' default row run the same batcher: the column's own noise."""
+    last, twin = ref["rows"][-1], next(p for p in ref["prices"] if p["price"] == default)
+    return (
+        f"The last row and the row priced at {default} in the lab notes' price table run the same"
+        f" batcher with the same settings: {last['texts_per_s']:.0f} and {twin['texts_per_s']:.0f} texts/s,"
+        f" {last['cpu_ms']:.2f} and {twin['cpu_ms']:.2f} CPU ms a text in this run, the noise of those"
+        " two columns."
+    )
+
+
 def why_missed(result: dict[str, Any]) -> list[str]:
     """For each target the run missed, what the same run measured beside it."""
     s2_1, s3_1, s3_32 = _point(result, "stage 2", 1), _point(result, "0 / 0", 1), _point(result, "0 / 0", 32)
@@ -413,7 +425,8 @@ def why_missed(result: dict[str, Any]) -> list[str]:
     reasons = {
         "engine": f"Against the engine alone: stage 3 spent {num(server_ms, 2)} ms of CPU a request at 32"
         f" connections, and Locust {s3_32['load_generator_cpu']:.2f} of the cores, where the engine alone"
-        f" spends {engine_ms:.2f} ms of CPU a text: the HTTP, the JSON and the event loop's share of each"
+        f" at its ceiling takes {engine_ms:.2f} ms of core time a text (the cores over its texts a second):"
+        " the HTTP, the JSON and the event loop's share of each"
         " request, which no batch shares ([cost model](cost_model.md)).",
         "rps": f"Against stage 2 in requests a second: at 32 connections stage 3 spent {num(server_ms, 2)} ms"
         f" of CPU a request, stage 2 {num(stage2_ms, 2)} ({num(cpu_ratio, 2, 'x')}); with the cores busy,"
@@ -637,16 +650,16 @@ def markdown(result: dict[str, Any]) -> str:
         "verdict": [f"Stage 3's targets, met in {sum(v['met'] for v in result['verdict'])} of"
                     f" {len(result['verdict'])} in this run:", "", *verdicts],
         "windows": _windows(result),
-        "refinements": table(
+        "refinements": [*table(
             ["batcher", "model calls", "padding", "CPU ms a text", "texts/s", "failed by 1 bad text",
              "calls with it", "lone wait ms"],
             [(r["batcher"], r["model_calls"], f"{r['padding_ratio']:.0%}", num(r["cpu_ms"], 2),
               num(r["texts_per_s"], 0), r["bad_text"]["failed_callers"], r["bad_text"]["model_calls"],
-              num(r["lone_wait_ms"], 2)) for r in ref["rows"]]),
+              num(r["lone_wait_ms"], 2)) for r in ref["rows"]]), "", _twins(ref, default)],
         "prices": table(["CALL_OVERHEAD_TOKENS", "model calls", "padding", "CPU ms a text", "of the default"],
                         [(p["price"], p["model_calls"], f"{p['padding_ratio']:.0%}", num(p["cpu_ms"], 2),
                           f"{p['cpu_ms'] / at_default:.2f}") for p in ref["prices"]]),
-        "price": [f"One more model call costs {call['fixed_ms']:.2f} ms of CPU here, as much as"
+        "price": [f"One more model call costs {call['fixed_ms']:.2f} ms of CPU in stage 3's run, as much as"
                   f" **{call['tokens']:.0f} padded tokens** ({call['k']} rows of {call['length']} tokens as"
                   f" {call['k']} calls against one). In the burst, the buckets priced at {nearest['price']},"
                   f" the figure tried nearest that, cost {nearest['cpu_ms'] / at_default:.2f}x the CPU a text"
