@@ -56,6 +56,31 @@ def test_compare_takes_the_median_round_and_each_stage_over_the_one_before() -> 
     assert row["stage1_naive"]["p99_ms"] is None  # no answer had a latency: not a zero
 
 
+def test_a_target_is_met_or_missed_only_when_every_round_is() -> None:
+    """Stage 3's targets from compare's points: each round's ratio against the target."""
+    rps = {
+        ("stage2_threadpool", "unique-32"): (100.0, 100.0),
+        ("stage3_batching", "unique-32"): (130.0, 120.0),
+        ("stage2_threadpool", "unique-1"): (50.0, 50.0),
+        ("stage3_batching", "unique-1"): (50.0, 50.0),
+    }
+    p50 = {"unique-1": {"stage2_threadpool": 10.0, "stage3_batching": 11.0}}
+    points = [{"stage": s, "profile": pr, "round": r, "requests_per_s": each[r], "load_generator": "locust",
+               "p50_ms": p50.get(pr, {}).get(s, 100.0), "p99_ms": 200.0 if s == "stage3_batching" else 100.0}
+              for (s, pr), each in rps.items() for r in (0, 1)]  # fmt: skip
+    stages = ("stage2_threadpool", "stage3_batching")
+    summary = {pr: {s: compare.medians([p for p in points if (p["stage"], p["profile"]) == (s, pr)])
+                    for s in stages} for pr in ("unique-1", "unique-32")}  # fmt: skip
+    got = {t["key"]: t for t in compare.stage3_targets(points, summary, ceiling=160.0)}
+    assert got["engine"]["rounds"] == [0.812, 0.75] and got["engine"]["verdict"] == "within noise"  # 0.80
+    assert got["rps"]["rounds"] == [1.3, 1.2] and got["rps"]["verdict"] == "within noise"  # 1.25: one round
+    assert got["p99"]["verdict"] == "missed" and got["p50"]["verdict"] == "met"  # 2.0x; 1.1x under 1.2
+    committed = json.loads((REPO / "docs" / "results" / "compare.json").read_text())
+    for t in committed["targets"]:  # the recorded verdicts are what the rounds say
+        inside = [r >= t["target"] if t["bound"] == "at least" else r <= t["target"] for r in t["rounds"]]
+        assert t["verdict"] == ("met" if all(inside) else "missed" if not any(inside) else "within noise")
+
+
 def _verdict_words(sentence: str) -> dict[str, str]:
     """A verdict ("X: faster on a (1.2×) and b (1.1×); slower on c (0.8×).") as {load: word}."""
     words = {}
