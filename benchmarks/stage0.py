@@ -2,7 +2,7 @@
 
     python -m benchmarks.stage0            # about 4 minutes on 2 cores
     python -m benchmarks.stage0 --quick    # two recipes, 200 STS-B pairs, one speed round
-    python -m benchmarks.stage0 --record   # docs/results/stage0.json and .md, docs/img/quantization.png
+    python -m benchmarks.stage0 --record   # docs/results/stage0.json and .md
 
 What the build made (its manifest: sizes, the INT8 mode served as `int8` and why); fp32 and the
 three INT8 files side by side (quality against fp32, size, one-thread speed, and the largest
@@ -143,42 +143,10 @@ def _decision(study: dict[str, Any], rows: dict[str, dict[str, Any]]) -> str:
         return text + "."
     best = rows[study["best_static"]]
     return (
-        f"{text}; the fastest of them at batch 16, `{best['name']}` ({best['note']}), does"
+        f"{text}; the highest median at batch 16 of them in this run, `{best['name']}` ({best['note']}), does"
         f" {_ratio(best, default, 'texts_per_cpu_s_b16')}× the texts per CPU-second of `{default['name']}`"
         f" at batch 16, and its file is {best['bytes'] / default['bytes']:.2f}× the size."
     )
-
-
-def draw(result: dict[str, Any], img: Path) -> Path:
-    """quantization.png: one bar per INT8 variant, quality (with the gate) beside one-thread speed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    study = result["study"]
-    rows = [r for r in study["variants"] if "error" not in r and r["kind"] != "fp32"][::-1]
-    fp32 = next(r for r in study["variants"] if r["kind"] == "fp32")
-    names = [r["name"] for r in rows]
-    colours = ["tab:green" if not r["gate_failures"] else "tab:red" for r in rows]
-    fig, (cos_ax, speed_ax) = plt.subplots(1, 2, figsize=(11, 0.32 * len(rows) + 1.6), sharey=True)
-    cos_ax.barh(names, [r["mean_cosine_to_fp32"] for r in rows], color=colours)
-    gate = study["gates"]["mean_cosine"]
-    cos_ax.axvline(gate, color="black", linestyle="--", linewidth=1)
-    low = min(r["mean_cosine_to_fp32"] for r in rows) - 0.01
-    cos_ax.set_xlim(low, 1.0)  # not from zero: every variant is within a few hundredths of 1
-    cos_ax.set_xlabel(f"mean cosine to fp32 (gate {gate}, dashed); the axis starts at {low:.3f}, not 0")
-    speed_ax.barh(names, [r["texts_per_cpu_s_b16"] for r in rows], color=colours)
-    speed_ax.axvline(fp32["texts_per_cpu_s_b16"], color="tab:blue", linestyle=":", linewidth=1.5)
-    speed_ax.set_xlabel("texts per CPU-second, batch 16, one thread (fp32 dotted)")
-    for ax in (cos_ax, speed_ax):
-        ax.tick_params(axis="y", labelsize=8)
-        ax.grid(axis="x", alpha=0.3)
-    fig.suptitle("INT8 variants against fp32: green passes both quality gates, red fails one")
-    fig.tight_layout()
-    path = evidence.save_figure(fig, img / "quantization.png", result["stamp"])
-    plt.close(fig)
-    return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -190,7 +158,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--seconds", type=float, help="seconds per wall-clock point (default 0.5, quick 0.05)"
     )
     parser.add_argument("--out", type=Path, help="folder for stage0.json and .md (out/results, docs/results)")
-    parser.add_argument("--img", type=Path, help="folder for quantization.png (out/img, docs/img)")
     evidence.add_arguments(parser, quick=False)
     args = parser.parse_args(argv)
     if args.stsb is not None and not args.stsb.exists():
@@ -204,7 +171,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["study"] = quant_study.run(args)
     result["stamp"] = run.stamp()
     evidence.publish(run, "stage0", result, markdown, args.out)
-    print(f"wrote {draw(result, args.img or run.img_dir)}")
     return 0
 
 

@@ -94,15 +94,26 @@ def markdown(result: dict[str, Any]) -> str:
         at = [f"{_rps(result, layout, n) / _rps(result, of, n):.2f}x at {n}" for n in CONNECTIONS]
         return " and ".join(at) + " connections"
 
-    best = max(LAYOUTS, key=lambda lay: sum(_rps(result, lay, n) for n in CONNECTIONS))
+    def summed(lay: tuple[int, int, bool]) -> list[float]:  # each round's req/s over both loads
+        at = [next(p for p in result["points"] if p["layout"] == list(lay) and p["connections"] == n)
+              for n in CONNECTIONS]  # fmt: skip
+        return [sum(r) for r in zip(*(p["rounds_requests_per_s"] for p in at), strict=True)]
+
+    winners = {max(LAYOUTS, key=lambda lay: summed(lay)[i]) for i in range(len(summed(DEFAULTS)))}
+    best = winners.pop() if len(winners) == 1 else None  # the same layout first in every round, or none
     words = [
         f"The defaults (two calls at once, {_threads(DEFAULTS, cores)} thread(s) each here) did"
         f" {ratios(DEFAULTS, (1, 0, False))} of one call on every core, and"
         f" {ratios(DEFAULTS, (1, 1, False))} of one call of one thread. Two calls of two threads each"
         f" did {ratios((2, 2, False), DEFAULTS)} of the defaults; the defaults with ONNX_SPINNING on"
-        f" did {ratios((2, 0, True), DEFAULTS)}. Most requests/s over both loads:"
-        f" WORKER_THREADS={best[0]}, ONNX_INTRA_THREADS={best[1]}, ONNX_SPINNING={str(best[2]).lower()}"
-        + (", the defaults." if best == DEFAULTS else ", not the defaults.")
+        f" did {ratios((2, 0, True), DEFAULTS)}. Most requests/s over both loads in every round: "
+        + (
+            "no one layout (within noise)."
+            if best is None
+            else f"WORKER_THREADS={best[0]}, ONNX_INTRA_THREADS={best[1]},"
+            f" ONNX_SPINNING={str(best[2]).lower()}"
+            + (", the defaults." if best == DEFAULTS else ", not the defaults.")
+        )
     ]
     note = f"{result['rounds']} round(s) of {result['seconds']:g} s per point, the median round shown."
     return page(result["stamp"], {"table": table(head, rows), "best": words}, note)

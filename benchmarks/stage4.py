@@ -5,9 +5,8 @@
 1. A Redis tier at a distance: the lesson's client (CACHE_CLIENT=per-command) and the pooled one,
    plain and TLS, near and 30 ms away (``loadtests.delay_relay``); and no cache at all.
 2. The lookup's bound (CACHE_TIMEOUT_MS) under load: at the model's cost, and the default.
-3. The repeated-text workload on stage 3 and stage 4.
-4. The overload run on stage 4 (MAX_QUEUE=5) and stage 3 (no bound).
-5. A flood of clients that wait a refusal's Retry-After or send again at once, by SHED_DELAY_MS.
+3. The overload run on stage 4 (MAX_QUEUE=5) and stage 3 (no bound), as a write-up ran it.
+4. A flood of clients that wait a refusal's Retry-After or send again at once, by SHED_DELAY_MS.
 """
 
 from __future__ import annotations
@@ -148,26 +147,6 @@ def _fire(server: StageProcess, texts: list[str], concurrency: int, alive: bool 
             "by_status": by_status}  # fmt: skip
 
 
-def repeated(rounds: int, capacity_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The repeated workload; and, on stage 4's server (its defaults), its capacity for the flood."""
-    out: dict[str, Any] = {"requests": 100, "unique_ratio": 0.3, "rounds": rounds}
-    for stage in (S3, S4):
-        runs = []
-        with running_stage(stage, LOGS) as server:
-            _fire(server, _texts(64), 8)  # warm-up, texts never used again
-            for _ in range(rounds):  # every round has new texts: a cold cache each time
-                texts = random.sample((unique := _texts(30)) + random.choices(unique, k=70), 100)  # shuffled
-                before = httpx.get(f"{server.url}/v1/batcher/metrics").json()["texts"]
-                runs.append(run := _fire(server, texts, 8))
-                run["model_texts"] = httpx.get(f"{server.url}/v1/batcher/metrics").json()["texts"] - before
-            if stage == S4:
-                settle(server.pid, server.url)
-                capacity = _wrk(server, 32, capacity_s, 7100, polite=False)
-        out[stage] = {"median_round": sorted(runs, key=lambda r: r["rps"])[len(runs) // 2]}
-    out["speedup"] = round(out[S4]["median_round"]["rps"] / out[S3]["median_round"]["rps"], 2)
-    return out, capacity
-
-
 def overload(requests: int, concurrency: int, max_queue: int) -> dict[str, Any]:
     out: dict[str, Any] = {"requests": requests, "concurrency": concurrency, "max_queue": max_queue}
     for stage, env in ((S4, {"MAX_QUEUE": str(max_queue)}), (S3, {})):
@@ -191,7 +170,13 @@ def _wrk(server: StageProcess, clients: int, seconds: float, seed: int, polite: 
             "socket_errors": out["socket_errors"], "server_cores": round(cores, 2)}  # fmt: skip
 
 
-def flood(clients: int, delays: Sequence[float], seconds: float, capacity: dict[str, Any]) -> dict[str, Any]:
+def flood(clients: int, delays: Sequence[float], seconds: float) -> dict[str, Any]:
+    with running_stage(
+        S4, LOGS
+    ) as server:  # the capacity the flood is read against: the defaults, 32 clients
+        load.wrk(server.url, bodies_for("sentence", 20_000, 7000), 32, 2)  # warm-up
+        settle(server.pid, server.url)
+        capacity = _wrk(server, 32, seconds, 7100, polite=False)
     rows = []
     for delay in delays:
         with running_stage(S4, LOGS, {**FLOOD, "SHED_DELAY_MS": f"{delay:g}"}) as server:
@@ -223,6 +208,8 @@ def _reading(d: dict[str, Any]) -> list[str]:
     fix = naive["hit_ms"] / far["hit_ms"]  # what the pool does to the far hit
     pooled = f"{fix:.1f}x cheaper" if fix > 1 else f"{1 / fix:.1f}x dearer"
     return [
+        "In this one run (one pass of each row):",
+        "",
         f"- Far ({FAR_MS:g} ms) and over TLS, a per-command hit is {than_none(naive['hit_ms'])}.",
         f"- The pooled client makes that hit {pooled}.",
         f"- A hit costs the loopback hit plus the round trip, and so does the lookup before a miss: "
@@ -248,8 +235,9 @@ def _bound(b: dict[str, Any], model_ms: float) -> list[str]:
         f"repeats hit, {num(low['req_s'], 0)} req/s. At the default, {high['timeout_ms'] / model_ms:.1f}x "
         f"that: {high['hits']} hit, {num(high['req_s'], 0)} req/s ({high['req_s'] / low['req_s']:.2f}x). "
         f"The default's price: a Redis that stops answering may add {high['timeout_ms'] / model_ms:.1f}x a "
-        f"request's time to it, not 1x. Under this load it gets {_more(high['hits'], low['hits'], 'hits')} "
-        f"and serves {_more(high['req_s'], low['req_s'], 'requests a second')}.",
+        f"request's time to it, not 1x. Under this load, in this one run, it gets "
+        f"{_more(high['hits'], low['hits'], 'hits')} and serves "
+        f"{_more(high['req_s'], low['req_s'], 'requests a second')}.",
     ]  # fmt: skip
 
 
@@ -269,9 +257,7 @@ def _flood(f: dict[str, Any], no_cache_ms: float) -> list[str]:
     kept = ", ".join(f"{100 * row['resend']['goodput']:.0f}% at {d:g} ms" for d, row in by.items())
     p50 = {d: num(row["resend"]["p50_ms"], 1) for d, row in by.items()}
     best = max(by, key=lambda d: by[d]["resend"]["goodput"])  # the delay that keeps the most from resenders
-    most = f"the most at {best:g} ms" + (
-        ", the default" if best == default else f"; the default is {default:g} ms"
-    )
+    most = f"in this one run (one point a delay), the most at {best:g} ms; the default is {default:g} ms"
     return [
         f"**A flood** (stage 4, MAX_QUEUE={f['settings']['MAX_QUEUE']}, {f['clients']} `wrk` connections, "
         f"one new sentence per request, {f['duration_s']:g} s per point; capacity, stage 4 with its defaults "
@@ -289,7 +275,7 @@ def _flood(f: dict[str, Any], no_cache_ms: float) -> list[str]:
 
 
 def markdown(r: dict[str, Any]) -> str:
-    d, rep, ov = r["distance"], r["repeated"], r["overload"]
+    d, ov = r["distance"], r["overload"]
     m, sections = d["memory_tier"], {}
     sections["distance"] = [
         f"**A Redis tier at a distance** (stage 4, Redis tier only, {d['requests']} requests of one "
@@ -308,17 +294,6 @@ def markdown(r: dict[str, Any]) -> str:
     ]  # fmt: skip
     sections["reading"] = _reading(d)
     sections["bound"] = _bound(d["bound"], d["no_cache_ms"])
-    runs = {stage: rep[stage]["median_round"] for stage in (S3, S4)}
-    sections["repeated"] = [
-        f"**Repeated texts** ({rep['requests']} requests, unique ratio {rep['unique_ratio']}, "
-        f"concurrency {runs[S3]['concurrency']}, median of {rep['rounds']} cold rounds):",
-        "",
-        *table(["stage", "req/s", "p50 ms", "p99 ms", "texts the model ran"],
-               [(stage, run["rps"], num(run["latency"]["p50_ms"]), num(run["latency"]["p99_ms"]),
-                 run["model_texts"]) for stage, run in runs.items()]),
-        "",
-        f"Stage 4 over stage 3: {rep['speedup']}x the requests per second.",
-    ]  # fmt: skip
     rows = [(stage, "connection failed" if status == "0" else status, s["n"], num(s["p50_ms"]),
              num(s["p99_ms"]), num(s["server_p50_ms"], 2) if "server_p50_ms" in s else "–")
             for stage in (S4, S3) for status, s in ov[stage]["by_status"].items()]  # fmt: skip
@@ -345,14 +320,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     run = evidence.start("benchmarks.stage4", args, argv)
     seconds = args.flood_seconds or (2.0 if args.quick else 8.0)
-    print("1-2/5 a Redis tier at a distance; the lookup's bound under load", flush=True)
+    print("1-2/4 a Redis tier at a distance; the lookup's bound under load", flush=True)
     result = {"distance": distance(args.requests or (16 if args.quick else 40), 160 if args.quick else 400)}
-    print("3/5 repeated-text workload, stage 3 and stage 4 (and stage 4's capacity)", flush=True)
-    result["repeated"], capacity = repeated(1 if args.quick else 3, seconds)
-    print("4/5 overload, stage 4 and stage 3", flush=True)
+    print("3/4 overload, stage 4 and stage 3", flush=True)
     result["overload"] = overload(300, 200, 5)
-    print("5/5 a flood, polite and impolite clients, by SHED_DELAY_MS", flush=True)
-    result["flood"] = flood(200, (0.0, Settings().shed_delay_ms, 200.0), seconds, capacity)
+    print("4/4 a flood, polite and impolite clients, by SHED_DELAY_MS", flush=True)
+    result["flood"] = flood(200, (0.0, Settings().shed_delay_ms, 200.0), seconds)
     result["stamp"] = run.stamp()
     evidence.publish(run, "stage4", result, markdown, args.out)
 
