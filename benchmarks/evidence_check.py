@@ -35,8 +35,6 @@ from loadtests import evidence
 
 DOCS = evidence.REPO / "docs"
 HAND_DRAWN = "remove it, add a step, or keep a hand-drawn picture outside docs/img"
-# Pictures no results step takes: checked for presence only, with who makes them (none today).
-PICTURES_FROM_ELSEWHERE: dict[str, str] = {}
 # A line that quotes a figure from elsewhere, or works an example, says so; its numbers are not results.
 EXEMPT = ("<!-- quoted -->", "<!-- example -->")
 
@@ -84,7 +82,7 @@ def _same(name: str, carried: dict[str, Any] | None, stamp: dict[str, Any]) -> l
 def stale_evidence(results: Path = evidence.RESULTS, img: Path = evidence.IMG) -> list[str]:
     """Every reason the evidence in ``results`` and ``img`` is not current (empty: all current)."""
     now, problems = evidence.defaults(), []
-    known_files, known_pictures = set(FROM_CODE), set(PICTURES_FROM_ELSEWHERE)
+    known_files, known_pictures = set(FROM_CODE), set()
     for step in (s for s in STEPS if s.stamped):
         for name in step.writes:
             page = name.removesuffix(".json") + ".md"
@@ -109,9 +107,6 @@ def stale_evidence(results: Path = evidence.RESULTS, img: Path = evidence.IMG) -
     for path in sorted(img.glob("*.png")):
         if path.name not in known_pictures:
             problems.append(f"{path.name}: no step of make results draws it ({HAND_DRAWN})")
-    for picture in PICTURES_FROM_ELSEWHERE:
-        if not (img / picture).is_file():
-            problems.append(f"{picture}: missing")
     return problems
 
 

@@ -59,7 +59,7 @@ STEPS: tuple[Step, ...] = (
     # dev pairs, timed on one thread in 2 rounds; 4 files x 7 batch sizes x 0.5 s of wall clock
     # (4.0 min beside a few neighbours, 288 CPU-seconds)
     Step("stage0", "stage 0: the build, fp32 and three INT8 files, the quantization study",
-         "benchmarks.stage0", ("stage0.json",), 4, 1, images=("quantization.png",)),
+         "benchmarks.stage0", ("stage0.json",), 4, 1),
     # pytest-benchmark's own rounds, 16 benchmarks (15 s last run)
     Step("bench", "microbenchmarks (pytest-benchmark)", "benchmarks.micro", ("bench.json",), 0.5, 0.3,
          render="benchmarks.micro.__main__:markdown"),

@@ -94,7 +94,7 @@ def machine() -> dict[str, Any]:
 
 
 # --- the commit --------------------------------------------------------------------------
-def _git(*args: str, repo: Path = REPO) -> str:
+def git(*args: str, repo: Path = REPO) -> str:
     return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
 
 
@@ -102,9 +102,9 @@ def git_state(repo: Path = REPO) -> tuple[str, list[str]]:
     """(commit, paths with uncommitted changes), the results folders left out: a run writes them.
     Untracked files count (a new module can change what runs). Outside git: ("unknown", ["?"])."""
     try:
-        commit = _git("rev-parse", "HEAD", repo=repo).strip()
+        commit = git("rev-parse", "HEAD", repo=repo).strip()
         excluded = [f":(exclude){d}" for d in EVIDENCE_DIRS]
-        status = _git("status", "--porcelain", "--untracked-files=all", "--", ".", *excluded, repo=repo)
+        status = git("status", "--porcelain", "--untracked-files=all", "--", ".", *excluded, repo=repo)
     except (OSError, subprocess.CalledProcessError):
         return "unknown", ["?"]
     return commit, [line[3:] for line in status.splitlines() if line.strip()]

@@ -126,6 +126,17 @@ def _children_cpu() -> float:
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
 
+def locust_command(url: str, users: int, seconds: str, report: Path, pid: int | None) -> list[str]:
+    """Locust headless on the Locust file: ``users`` started at once, counted from the moment all of
+    them run (``--reset-stats``), the requests in flight at the end still counted; its run report."""
+    return [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", url,
+        "-u", str(users), "-r", str(users), "-t", seconds, "--reset-stats", "--stop-timeout", "10",
+        "--only-summary", "--loglevel", "WARNING", "--exit-code-on-error", "0", "--run-report", str(report),
+        "--server-pid", str(pid or 0),
+    ]  # fmt: skip
+
+
 # --8<-- [start:locust]
 def locust(
     url: str, bodies: Sequence[bytes], connections: int, seconds: float, pid: int | None = None
@@ -137,14 +148,8 @@ def locust(
         file, report = Path(tmp) / "bodies.jsonl", Path(tmp) / "report.json"
         file.write_bytes(b"\n".join(bodies))
         env = {**os.environ, "EMBEDSERVE_BODIES": str(file)}
-        command = [
-            sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", url,
-            "-u", str(connections), "-r", str(connections), "-t", f"{math.ceil(seconds + 0.5)}s",
-            "--reset-stats", "--stop-timeout", "10", "--only-summary", "--loglevel", "WARNING",
-            "--exit-code-on-error", "0", "--run-report", str(report), "--server-pid", str(pid or 0),
-            "BodiesUser",
-        ]  # fmt: skip
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        command = locust_command(url, connections, f"{math.ceil(seconds + 0.5)}s", report, pid)
+        done = subprocess.run([*command, "BodiesUser"], env=env, capture_output=True, text=True)
         if done.returncode != 0 or not report.exists():
             raise RuntimeError(f"Locust failed ({done.returncode}): {done.stderr[-2000:]}")
         got = json.loads(report.read_text())

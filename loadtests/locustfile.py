@@ -44,7 +44,6 @@ _sent: list[str] = []
 _SENT_MAX = 50_000
 
 
-# --8<-- [start:options]
 @events.init_command_line_parser.add_listener
 def _options(parser: Any) -> None:
     parser.add_argument(
@@ -101,10 +100,6 @@ def _options(parser: Any) -> None:
     )
 
 
-# --8<-- [end:options]
-
-
-# --8<-- [start:base]
 class _EmbedUser(FastHttpUser):
     """Sends texts to the embedding route and checks status and vector count, nothing more."""
 
@@ -156,9 +151,6 @@ class _EmbedUser(FastHttpUser):
                 resp.failure(f"expected {len(texts)} vectors, got {got}")
 
 
-# --8<-- [end:base]
-
-
 # --8<-- [start:users]
 class UniqueTextUser(_EmbedUser):
     """Every text is new: no cache can help."""
@@ -208,17 +200,14 @@ class ThinkingUser(_EmbedUser):
 # --8<-- [end:users]
 
 
-# --8<-- [start:compare]
 # `make loadtest COMPARE=3,4`: a user class per stage, each with its own server's URL (``host``), so
 # one web UI loads them at once and its statistics show them side by side, a row per stage. The
 # launcher (loadtests/run.py) starts the stages and names them here: "stage=url,stage=url".
 for _stage, _, _url in (p.partition("=") for p in os.environ.get("EMBEDSERVE_COMPARE", "").split(",") if p):
     _name = "Stage" + _stage.removeprefix("stage").split("_")[0] + "User"  # Stage3User, Stage4User
     globals()[_name] = type(_name, (UniqueTextUser,), {"host": _url, "stage": _stage, "__module__": __name__})
-# --8<-- [end:compare]
 
 
-# --8<-- [start:bodies]
 # The measuring kit's user (``loadtests.load.locust``, what `make compare` runs): every user sends
 # the next body of the file EMBEDSERVE_BODIES (one JSON body a line, shared by all, round and
 # round) the moment its answer comes. The class exists only when the variable is set, so the web
@@ -238,9 +227,6 @@ if _bodies_file := os.environ.get("EMBEDSERVE_BODIES"):
             with self.client.post("/v1/embed", data=next(_bodies), headers=headers, catch_response=True) as r:
                 if r.status_code != 200:
                     r.failure(f"HTTP {r.status_code}")
-
-
-# --8<-- [end:bodies]
 
 
 # --- the run report: the measured window, the load generator's CPU and the server's -----------

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import csv
 import json
 import os
 import signal
@@ -33,13 +32,11 @@ import psutil
 from common import corpus
 from common.serve import resolve
 from loadtests import evidence
-from loadtests.load import post_bodies
+from loadtests.load import LOCUSTFILE, locust_command, post_bodies
 from loadtests.procs import REPO, answers, running_stage
 
 OUT = evidence.OUT / "loadtest"  # git-ignored
-LOCUSTFILE = REPO / "loadtests" / "locustfile.py"
 WARMUP_SEED = 999  # never used by a profile, so a warm cache cannot flatter the unique-text runs
-# --8<-- [start:profiles]
 # The headless profiles: a user class, a user count and a few of the locustfile's options.
 PROFILES: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "unique-1": ("UniqueTextUser", 1, ()),
@@ -51,7 +48,6 @@ PROFILES: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "waves-32": ("WaveUser", 32, ("--wave-period", "0.5")),
     "overload-128": ("OverloadUser", 128, ("--overload-texts", "8")),
 }
-# --8<-- [end:profiles]
 
 
 def _listening(port: int) -> int | None:
@@ -113,7 +109,6 @@ def warm_up(url: str, seconds: float, clients: int = 4) -> None:
     asyncio.run(post_bodies(url, bodies, clients, seconds=seconds, headers=headers))
 
 
-# --8<-- [start:headless]
 def headless(
     stage: str, url: str, profile: str, seconds: float, pid: int | None, out: Path, endpoint: str
 ) -> dict[str, Any]:
@@ -124,18 +119,19 @@ def headless(
     prefix = out / f"{stage}-{profile}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}"
     warm_up(url, min(5.0, seconds / 4))
     command = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", url,
-        "-u", str(users), "-r", str(users), "-t", f"{seconds:g}s",
-        "--reset-stats",  # measure from the moment every user is running, not during the ramp
-        "--stop-timeout", "10",  # requests in flight at the end still count
-        "--only-summary", "--loglevel", "WARNING", "--exit-code-on-error", "0",
-        "--csv", str(prefix), "--json-file", str(prefix), "--run-report", f"{prefix}_report.json",
-        "--server-pid", str(pid or 0), "--endpoint", endpoint, *options, user_class,
-    ]  # fmt: skip
+        *locust_command(url, users, f"{seconds:g}s", Path(f"{prefix}_report.json"), pid),
+        "--csv",
+        str(prefix),
+        "--json-file",
+        str(prefix),
+        "--endpoint",
+        endpoint,
+        *options,
+        user_class,
+    ]
     with open(f"{prefix}_locust.log", "wb") as log:
         subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
     report = json.loads(Path(f"{prefix}_report.json").read_text())
-    # --8<-- [end:headless]
     refused = sum(n for error, n in report["errors"].items() if error == "HTTP 503")
     window, answered = report["wall_s"], report["requests"] - report["failures"]
     row = {
@@ -150,15 +146,11 @@ def headless(
     run.commit, run.changed = evidence.git_state()
     summary = {"stamp": run.stamp(), "url": url, **row, "failures": failures, "errors": report["errors"]}
     evidence.write_json(Path(f"{prefix}_summary.json"), summary)
-    with open(f"{prefix}_summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*row, "failures_503", "failures_other"])
-        writer.writeheader()
-        writer.writerow({**row, "failures_503": refused, "failures_other": failures["other"]})
     server = "not measured" if row["server_cores"] is None else f"{row['server_cores']:.2f} cores"
     print(
         f"{stage} {profile}: {row['rps']:.1f} req/s, p50 {row['p50_ms']:.0f} ms, p95 {row['p95_ms']:.0f} ms,"
         f" p99 {row['p99_ms']:.0f} ms, failures {failures}; Locust used {row['loadgen_cores']:.2f} cores,"
-        f" the server {server}\nfiles: {prefix}_summary.json, {prefix}_summary.csv,"
+        f" the server {server}\nfiles: {prefix}_summary.json,"
         f" Locust's {prefix}.json and {prefix}_stats_history.csv",
         flush=True,
     )

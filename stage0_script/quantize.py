@@ -2,7 +2,7 @@
 
 Dynamic INT8 is one library call (``build_model.quantize_dynamic``); static INT8 calibrates
 activation ranges on project sentences first, and the recipe names every choice that took.
-``python -m benchmarks.quant_study`` compares recipes (docs/lab/stage0.md).
+``make results ONLY=stage0`` compares recipes (benchmarks/quant_study.py) (docs/lab/stage0.md).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from common import corpus
 # --8<-- [start:recipe]
 @dataclass(frozen=True)
 class StaticRecipe:
-    """How static INT8 is made; `python -m benchmarks.quant_study` compares recipes."""
+    """How static INT8 is made; `make results ONLY=stage0` compares recipes."""
 
     calibration: str = "Percentile"  # MinMax, Entropy or Percentile (ORT CalibrationMethod)
     percentile: float = 99.999

@@ -197,8 +197,6 @@ def _write_page(results: Path, img: Path, stamp: dict[str, object]) -> None:
     }
     evidence.write_json(results / "stage0.json", result)
     evidence.write_text(results / "stage0.md", results_page("stage0.json", results))
-    Image.new("RGB", (8, 8)).save(img / "quantization.png")
-    evidence.stamp_png(img / "quantization.png", dict(stamp))
 
 
 def results_page(name: str, folder: Path) -> str:
@@ -210,7 +208,6 @@ def test_changing_a_default_makes_the_evidence_stale(tmp_path: Path, monkeypatch
     res, img = tmp_path / "results", tmp_path / "img"
     img.mkdir()
     monkeypatch.setattr(evidence_check, "STEPS", tuple(s for s in results.STEPS if s.name == "stage0"))
-    monkeypatch.setattr(evidence_check, "PICTURES_FROM_ELSEWHERE", {})
     _write_page(res, img, _fresh_stamp())
     assert stale_evidence(res, img) == []
 
@@ -230,7 +227,6 @@ def test_the_staleness_check_catches_each_kind_of_stale_file(
     res, img = tmp_path / "results", tmp_path / "img"
     img.mkdir()
     monkeypatch.setattr(evidence_check, "STEPS", tuple(s for s in results.STEPS if s.name == "stage0"))
-    monkeypatch.setattr(evidence_check, "PICTURES_FROM_ELSEWHERE", {})
     assert stale_evidence(res, img) == ["stage0.json: missing (make results writes it)"]
     _write_page(res, img, _fresh_stamp(dirty=True))
     assert stale_evidence(res, img) == ["stage0.json: measured with uncommitted changes (--allow-dirty)"]

@@ -226,8 +226,6 @@ def test_make_loadtest_headless_writes_csv_and_json(tmp_path: Path) -> None:
     assert summary["stage"] == stage and summary["requests"] > 0 and summary["rps"] > 0
     assert summary["failures"] == {"503": 0, "other": 0}
     assert summary["stamp"]["machine"]["logical_cores"] > 0 and summary["stamp"]["commit"]
-    csv_lines = summary_path.with_name(summary_path.name.replace(".json", ".csv")).read_text().splitlines()
-    assert csv_lines[0].startswith("stage,profile,") and len(csv_lines) == 2
     assert list(tmp_path.glob(f"{stage}-unique-8-*_stats_history.csv"))
     # The percentiles are Locust's own over the whole run: what locust.stats makes of the response
     # times in its final JSON (asked in a subprocess: locust patches the standard library on import)

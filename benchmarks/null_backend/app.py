@@ -13,7 +13,6 @@ from common.engine import Engine, l2_normalize
 from common.settings import Settings
 
 
-# --8<-- [start:null_backend]
 class NullBackend:
     """Answers without the model: what a request still costs is the contract's own work."""
 
@@ -34,7 +33,5 @@ class NullBackend:
         n = len(job.texts)
         return EmbedResult(self.vectors[:n], [t.n_tokens for t in tokens], [t.truncated for t in tokens])
 
-
-# --8<-- [end:null_backend]
 
 app = create_app("null backend", NullBackend)
