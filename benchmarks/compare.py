@@ -288,9 +288,15 @@ def targets_sections(result: dict[str, Any]) -> dict[str, list[str]]:
     reasons = {
         "engine": f"Against the engine alone: stage 3 spent {num(s3['cpu_ms'], 2)} ms of CPU a request at 32"
         f" connections, and Locust {s3['load_generator_cpu']:.2f} of the cores, where the engine alone at"
-        f" its ceiling takes {engine_ms:.2f} ms of core time a text (the cores over its texts a second):"
-        " the HTTP, the JSON and the event loop's share of each request, which no batch shares"
-        " ([cost model](cost_model.md)).",
+        f" its ceiling takes {engine_ms:.2f} ms of core time a text (the cores over its texts a second): "
+        + (
+            "the HTTP, the JSON and the event loop's share of each request, which no batch shares"
+            " ([cost model](cost_model.md))."
+            if s3["cpu_ms"] > engine_ms
+            else "the server's own CPU a"
+            " request is no more than the engine's, so the rest is the cores it did not get: Locust's"
+            " share, and the time they sat idle between batches."
+        ),
         "rps": f"Against stage 2 in requests a second: at 32 connections stage 3 spent {num(s3['cpu_ms'], 2)}"
         f" ms of CPU a request, stage 2 {num(s2['cpu_ms'], 2)}; with the cores busy, requests a second"
         " follow what a request costs. A batch shares the model call; a request's own work (HTTP, JSON,"

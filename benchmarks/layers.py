@@ -130,13 +130,13 @@ def markdown(result: dict[str, Any]) -> str:
              num(extra[s]["over_previous_us"], 0) if s in extra else "",
              f"{extra[s]['share']:+.0%}" if s in extra else "") for s in STAGES]  # fmt: skip
 
-    def adds(r: list[float]) -> str:  # a direction only where every round has it
-        return "adds" if min(r) > 0 else "saves" if max(r) < 0 else "is within noise of"
+    def noise(r: list[float]) -> str:  # a direction only where every round has it
+        return "" if min(r) > 0 or max(r) < 0 else ", within noise"
 
     said = "; ".join(
-        f"{stage_label(s)} {adds(extra[s]['rounds_us'])} {extra[s]['over_previous_us']:.0f} µs a request"
-        f" to {stage_label(b)}'s ({extra[s]['share']:+.0%}; rounds {min(extra[s]['rounds_us']):.0f} to"
-        f" {max(extra[s]['rounds_us']):.0f} µs)"
+        f"{stage_label(s)} adds {extra[s]['over_previous_us']:.0f} µs a request to {stage_label(b)}'s"
+        f"{noise(extra[s]['rounds_us'])} ({extra[s]['share']:+.0%}; rounds {min(extra[s]['rounds_us']):.0f}"
+        f" to {max(extra[s]['rounds_us']):.0f} µs)"
         for b, s in itertools.pairwise(STAGES)
     )
     sections = {

@@ -70,15 +70,16 @@ STEPS: tuple[Step, ...] = (
     # 70 s), 12 servers starting at once (40 s), then 4 rounds x 30 points x (Locust's 3.6 s, its
     # start and about 0.7 s to settle): four rounds, since a window's effect on this machine is
     # about the size of two rounds' noise
-    Step("stage3", "stage 3: the batch-size sweep, targets, windows by load, each refinement",
+    Step("stage3", "stage 3: the batch-size sweep, windows by load, each refinement",
          "benchmarks.stage3", ("stage3.json",), 14, 4.5, images=("batch_sweep.png",)),
     # a full run took 2.6 min on a busy machine
-    Step("stage4", "stage 4: Redis at a distance, the lookup's bound, repeats, overload, a flood",
+    Step("stage4", "stage 4: Redis at a distance, the lookup's bound, overload, a flood",
          "benchmarks.stage4", ("stage4.json",), 3, 1.5),
     # 5 stages x 6 profiles x 3 rounds x (Locust: its start, 2.6 s, then about 0.8 s to settle), wrk
     # beside it on 2 profiles (2 s + 0.8 s), 5 start-ups (10 s) and the engine alone (2 kinds x 2
     # layouts x 7 batch sizes x 1 s, and the large batches' overrun)
-    Step("compare", "every stage in turns under the same loads (Locust), each against the one before",
+    Step("compare", "every stage in turns under the same loads (Locust), each against the one"
+         " before, stage 3's targets",
          "benchmarks.compare", ("compare.json",), 10, 2.5),
     # 3 apps in one process (their engines loading, 10 s), 6 rounds x 3 stages x 2000 requests (about
     # 2 s each), one profiled round each

@@ -81,7 +81,8 @@ class Settings(BaseSettings):
         2,
         ge=1,
         description="Batches in the model at once (stages 3-5); with ONNX_INTRA_THREADS=0 each "
-        "gets the cores divided by this (the stage 3 chapter measures one slot against two).",
+        "gets the cores divided by this (the engine ceiling's calls side by side and stage 2's "
+        "thread layouts measure one call against two).",
     )
     max_batch_tokens: int = Field(
         8192, ge=1, description="Most padded tokens (rows x longest row) in one model call."
@@ -91,7 +92,7 @@ class Settings(BaseSettings):
         ge=0,
         description="How long a batch waits to fill up, counted from its oldest text (MEDIUM tier; "
         "a LOW-tier batch never waits; 0: no wait, a busy model slot fills the next batch; "
-        "the stage 3 chapter measures windows by load).",
+        "stage 3's lab notes measure windows by load).",
     )
     batch_window_high_ms: float = Field(
         0.0,
