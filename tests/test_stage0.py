@@ -75,8 +75,8 @@ def test_bench_prints_and_writes_every_figure(tmp_path: Path) -> None:
 
 def test_the_recorded_step_is_stamped_and_rendered(tmp_path: Path, settings: Settings) -> None:
     """`make results ONLY=stage0`: the build's facts, the four files and the quantization study from
-    one run, stamped, with the tables and the picture the chapters include."""
-    args = ["--quick", "--seconds", "0.05", "--out", str(tmp_path), "--img", str(tmp_path)]
+    one run, stamped, with the tables the chapters include."""
+    args = ["--quick", "--seconds", "0.05", "--out", str(tmp_path)]
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.stage0", *args],
         cwd=REPO, capture_output=True, text=True, timeout=900,
