@@ -11,6 +11,10 @@ sockets, no HTTP parsing, nothing else on the event loop. The figure is the even
 a request (``time.thread_time`` of the thread that runs it, the clients' share included, the same
 for every stage), the stages in turns, ``--rounds`` rounds; then one more round of each under
 cProfile, for where a layer's time goes: the functions of the repository with the most own time.
+Python's garbage collector runs inside whatever function allocates when a collection is due, and
+its work grows with the objects a stage keeps (stage 4's cache): its time is counted apart in
+every round (``gc.callbacks``), and the profiled round runs with the collector off, so a function's
+own time is its own.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import gc
 import itertools
 import os
 import pstats
 import statistics
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +87,24 @@ async def one_round(client: httpx.AsyncClient, bodies: list[bytes]) -> float:
     return (time.thread_time() - started) * 1e6 / len(bodies)
 
 
+@contextlib.contextmanager
+def collecting() -> Iterator[list[float]]:
+    """The event-loop thread's CPU seconds in garbage collection meanwhile: ``[seconds]``."""
+    spent, began = [0.0], [0.0]
+
+    def timed(phase: str, _: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.thread_time()
+        else:
+            spent[0] += time.thread_time() - began[0]
+
+    gc.callbacks.append(timed)
+    try:
+        yield spent
+    finally:
+        gc.callbacks.remove(timed)
+
+
 def where(profile: cProfile.Profile, requests: int, top: int) -> list[dict[str, Any]]:
     """The repository's functions with the most own time, in microseconds a request."""
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
@@ -99,20 +122,25 @@ async def measure(rounds: int, top: int) -> dict[str, Any]:
         for s in STAGES:  # every path warm: imports, first batches, caches of code
             await one_round(clients[s], bodies_for("sentence", 300, 900))
         runs: dict[str, list[float]] = {s: [] for s in STAGES}
+        collected: dict[str, list[float]] = {s: [] for s in STAGES}
         for r in range(rounds):
             # new texts each round, the same for every stage: all misses
             bodies = bodies_for("sentence", REQUESTS, 1000 + r)
             for s in STAGES if r % 2 == 0 else STAGES[::-1]:
-                runs[s].append(round(await one_round(clients[s], bodies), 1))
+                with collecting() as gc_s:
+                    runs[s].append(round(await one_round(clients[s], bodies), 1))
+                collected[s].append(round(gc_s[0] * 1e6 / REQUESTS, 1))
                 print(f"round {r + 1}/{rounds} {s}: {runs[s][-1]} us a request", flush=True)
         profiles = {}
         for s in STAGES:
             profile = cProfile.Profile()
+            gc.disable()  # a collection's time would land on whichever function allocated
             profile.enable()
             await one_round(clients[s], bodies_for("sentence", REQUESTS, 2000))
             profile.disable()
+            gc.enable()
             profiles[s] = where(profile, REQUESTS, top)
-    return {"runs": runs, "where": profiles}
+    return {"runs": runs, "gc_us": collected, "where": profiles}
 
 
 def summarize(runs: dict[str, list[float]]) -> dict[str, Any]:
@@ -127,8 +155,8 @@ def summarize(runs: dict[str, list[float]]) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     runs, extra = result["runs"], result["summary"]
     rows = [(stage_label(s), num(statistics.median(runs[s]), 0), ", ".join(num(x, 0) for x in runs[s]),
-             num(extra[s]["over_previous_us"], 0) if s in extra else "",
-             f"{extra[s]['share']:+.0%}" if s in extra else "") for s in STAGES]  # fmt: skip
+             num(statistics.median(result["gc_us"][s]), 0), num(extra[s]["over_previous_us"], 0) if s in extra
+             else "", f"{extra[s]['share']:+.0%}" if s in extra else "") for s in STAGES]  # fmt: skip
 
     def noise(r: list[float]) -> str:  # a direction only where every round has it
         return "" if min(r) > 0 or max(r) < 0 else ", within noise"
@@ -140,8 +168,8 @@ def markdown(result: dict[str, Any]) -> str:
         for b, s in itertools.pairwise(STAGES)
     )
     sections = {
-        "layers": table(["stage", "event-loop CPU µs a request", "each round", "over the stage before, µs",
-                         "share"], rows, "lrlrr"),
+        "layers": table(["stage", "event-loop CPU µs a request", "each round", "of it, garbage collection",
+                         "over the stage before, µs", "share"], rows, "lrlrrr"),
         "layers_said": [f"With the model answering at once: {said}."],
     }  # fmt: skip
     for s in STAGES:

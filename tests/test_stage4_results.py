@@ -71,6 +71,10 @@ def test_the_layers_run_every_stage_in_turns_and_name_where_the_time_goes(tmp_pa
     )
     for before, stage in zip(layers.STAGES, layers.STAGES[1:], strict=False):
         assert result["summary"][stage]["rounds_us"] == [result["runs"][stage][0] - result["runs"][before][0]]
+    # the collector's share of each round is counted, and no more than the round itself
+    assert all(
+        0 <= g[0] <= r[0] for g, r in zip(result["gc_us"].values(), result["runs"].values(), strict=True)
+    )
     for stage in layers.STAGES:
         named = result["where"][stage]
         assert len(named) == 3 and all(w["us"] > 0 and not w["function"].startswith("/") for w in named)
