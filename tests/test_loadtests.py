@@ -335,6 +335,7 @@ def test_locust_sends_the_given_bodies_and_answers_what_wrk_answers(stage_url: s
     other = asyncio.run(post_bodies(stage_url, [orjson.dumps({"inputs": [f"not sent {run}"]})], clients=1))
     assert other[0].headers["x-cache"] == "miss"
     assert point["requests_per_s"] > 0 and point["socket_errors"] == 0 and point["non_2xx_per_s"] == 0
-    assert 0 < point["p50_ms"] <= point["p99_ms"] and point["window_s"] > 0
+    # Locust keeps whole milliseconds under 100 ms: cache hits on a fast machine can read 0
+    assert 0 <= point["p50_ms"] <= point["p99_ms"] and point["window_s"] > 0
     assert point["load_generator_cpu"] > 0 and point["server_cpu_s"] is None  # no pid named
     assert set(point) == set(load.wrk(stage_url, bodies, 2, 1.0))
