@@ -141,7 +141,7 @@ def test_quick_compare_writes_every_section_and_words_that_agree_with_the_ratios
     one = next(line for line in stage1.splitlines() if line.startswith("Stage 1 at 32 connections against 1"))
     rounds = [p for p in result["points"] if p["stage"] == "stage1_naive" and p["load_generator"] == "locust"]
     rps = {(p["profile"], p["round"]): p["requests_per_s"] for p in rounds}
-    each = [rps[("unique-32", r)] / rps[("unique-1", r)] for r in sorted({r for _, r in rps})]
+    each = [compare.ratio(rps[("unique-32", r)], rps[("unique-1", r)]) for r in sorted({r for _, r in rps})]
     assert f": {compare.rounds_word(each)} on unique-32 over unique-1" in one  # every round's word
 
 
