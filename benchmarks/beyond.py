@@ -33,13 +33,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import orjson
 import psutil
 import yaml
 
-from common.corpus import texts as corpus_texts
 from loadtests import evidence
-from loadtests.load import settle, wrk
+from loadtests.load import bodies_for, settle, wrk
 from loadtests.procs import free_port, redis_server, running_stage
 from loadtests.tables import num, page, table
 
@@ -153,25 +151,21 @@ def rss_mb(roles: Roles) -> dict[str, float]:
     return {**out, "all": round(sum(sum(s) for s in sizes.values()) / 2**20, 1)}
 
 
-def bodies(n: int, seed: int) -> list[bytes]:
-    return [orjson.dumps({"inputs": [t]}) for t in corpus_texts(n, seed=seed, kind="mixed")]
-
-
 def measure(url: str, find: Any, seconds: float, seed: int) -> dict[str, Any]:
     """Warm-up, capacity at 32 connections (with CPU and memory), p50 at one, then the flood."""
-    wrk(url, bodies(1500, seed), CAPACITY_CLIENTS, min(2.0, seconds))
+    wrk(url, bodies_for("mixed", 1500, seed), CAPACITY_CLIENTS, min(2.0, seconds))
     roles = find()
     before = cpu(roles)
     # More texts than the fastest setup answers in the interval: wrk cycles its bodies, and a text
     # sent twice would be a cache hit (each worker of (c) keeps a cache of its own).
-    cap = wrk(url, bodies(int(2000 * seconds), seed + 1), CAPACITY_CLIENTS, seconds)
+    cap = wrk(url, bodies_for("mixed", int(2000 * seconds), seed + 1), CAPACITY_CLIENTS, seconds)
     used, served = cpu(roles), cap["requests_per_s"] * max(1, math.ceil(seconds))  # wrk's whole seconds
     cap["cpu_ms"] = {r: round(1e3 * (used[r] - before[r]) / max(served, 1), 2) for r in roles}
     cap["cpu_ms"]["total"] = round(sum(cap["cpu_ms"].values()), 2)
     cap["rss_mb"], cap["processes"] = rss_mb(roles), {r: len(p) for r, p in roles.items()}
     time.sleep(1)  # the last answers of the closed loop
-    one = wrk(url, bodies(int(200 * seconds), seed + 2), 1, seconds)
-    flood = wrk(url, bodies(int(3000 * seconds), seed + 3), FLOOD_CLIENTS, seconds)
+    one = wrk(url, bodies_for("mixed", int(200 * seconds), seed + 2), 1, seconds)
+    flood = wrk(url, bodies_for("mixed", int(3000 * seconds), seed + 3), FLOOD_CLIENTS, seconds)
     rps = cap["requests_per_s"]
     flood["of_capacity"] = round(flood["requests_per_s"] / rps, 4) if rps else None
     return {"capacity": cap, "one": one, "flood": flood}

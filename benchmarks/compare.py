@@ -25,12 +25,12 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -48,6 +48,7 @@ ENV, WITHOUT = {"MAX_QUEUE": "256"}, ("CACHE_URL",)
 TOOL = "locust"  # the load generator of every table; wrk only beside it (--wrk-profiles)
 FASTER, SLOWER = 1.05, 0.95  # between them a ratio is "about the same"; under SLOWER, a loss
 RATE = 4000  # bodies a second of a point: more than any stage answers here, so no text comes twice
+T = TypeVar("T")
 Server = tuple[str, str, StageProcess]  # stage, side ("before", "after" or ""), the process
 
 
@@ -189,11 +190,16 @@ def word(r: float | None) -> str:
     return "faster" if round(r, 2) > FASTER else "slower" if round(r, 2) < SLOWER else "about the same"
 
 
+def unanimous(said: Iterable[T]) -> T | None:
+    """What every round says, when they all say the same; None when they disagree (within noise)."""
+    once = set(said)
+    return once.pop() if len(once) == 1 else None
+
+
 def rounds_word(rounds: Sequence[float | None]) -> str:
     """The word every round earns: a direction (faster, slower) or "about the same" only when every
     round says it; rounds that disagree are "within noise"."""
-    words = {word(r) for r in rounds}
-    return words.pop() if len(words) == 1 else "within noise"
+    return unanimous(word(r) for r in rounds) or "within noise"
 
 
 def verdict(first: str, rows: Sequence[tuple[str, float | None, Sequence[float | None]]]) -> str:
@@ -257,8 +263,10 @@ def stage3_targets(
     out = []
     for what, key, bound, target in TARGETS:
         rounds = [e[key] for e in each]
-        met = {(r >= target if bound == "at least" else r <= target) for r in rounds if r is not None}
-        said = "met" if met == {True} else "missed" if met == {False} else "within noise"
+        met = unanimous(
+            (r >= target if bound == "at least" else r <= target) for r in rounds if r is not None
+        )
+        said = {True: "met", False: "missed", None: "within noise"}[met]
         out.append({"what": what, "key": key, "bound": bound, "target": target, "measured": medians[key],
                     "rounds": rounds, "verdict": said})  # fmt: skip
     return out
@@ -523,11 +531,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "rounds": args.rounds, "stages": args.stages, "profiles": [asdict(p) for p in args.profiles],
               "ceiling": ceiling, "points": points, "summary": summarize(points, args.stages, names),
               "wrk": summarize(points, args.stages, wrk, tool="wrk")}  # fmt: skip
-    stage3 = {"stage2_threadpool", "stage3_batching"} <= set(args.stages) and {
-        "unique-1",
-        "unique-32",
-    } <= set(names)
-    if stage3 and "sentence" in ceiling:
+    needs = ({"stage2_threadpool", "stage3_batching"}, {"unique-1", "unique-32"})  # stage 3's targets'
+    if needs[0] <= set(args.stages) and needs[1] <= set(names) and "sentence" in ceiling:
         result["targets"] = stage3_targets(points, result["summary"], ceiling["sentence"]["texts_per_s"])
     evidence.publish(run, "compare", result, markdown, args.out)
     return 0

@@ -30,12 +30,11 @@ from typing import Any
 
 import psutil
 
-from benchmarks.stage3 import bodies_for
 from common import corpus
 from common.engine import Engine
 from common.settings import Settings
 from loadtests import evidence
-from loadtests.load import process_cpu, settle, wrk
+from loadtests.load import bodies_for, process_cpu, settle, wrk
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, stage_label, table
 

@@ -37,9 +37,9 @@ import httpx
 import numpy as np
 from fastapi import FastAPI
 
-from benchmarks.stage3 import bodies_for
 from common.engine import Engine
 from loadtests import evidence
+from loadtests.load import bodies_for
 from loadtests.tables import num, page, stage_label, table
 
 CLIENTS, REQUESTS = 32, 2000  # a round: REQUESTS one-text requests from CLIENTS clients at once

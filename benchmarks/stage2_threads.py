@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from benchmarks.compare import unanimous
 from common import corpus
 from common.engine import intra_threads_for
 from loadtests import evidence
@@ -99,8 +100,8 @@ def markdown(result: dict[str, Any]) -> str:
               for n in CONNECTIONS]  # fmt: skip
         return [sum(r) for r in zip(*(p["rounds_requests_per_s"] for p in at), strict=True)]
 
-    winners = {max(LAYOUTS, key=lambda lay: summed(lay)[i]) for i in range(len(summed(DEFAULTS)))}
-    best = winners.pop() if len(winners) == 1 else None  # the same layout first in every round, or none
+    # the same layout first in every round, or none
+    best = unanimous(max(LAYOUTS, key=lambda lay: summed(lay)[i]) for i in range(len(summed(DEFAULTS))))
     words = [
         f"The defaults (two calls at once, {_threads(DEFAULTS, cores)} thread(s) each here) did"
         f" {ratios(DEFAULTS, (1, 0, False))} of one call on every core, and"

@@ -47,14 +47,14 @@ import httpx
 import numpy as np
 import orjson
 
-from benchmarks.compare import CEILING_SEED, rounds_word
+from benchmarks.compare import CEILING_SEED, rounds_word, unanimous
 from common import corpus
 from common.batch_stats import BatchRecord
 from common.engine import Engine, TokenizedText
 from common.settings import Settings
 from loadtests import evidence
 from loadtests.evidence import save_figure
-from loadtests.load import locust, settle
+from loadtests.load import bodies_for, locust, settle
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, table
 from stage3_batching.batcher import Batcher, Model
@@ -82,10 +82,6 @@ LONE_WINDOW_MS = 5.0  # the window the "lone wait" column runs under
 PAYS = 1.10  # a setting other than the default pays when it gains 10% or more (the house rule)
 STEPS = ((1, 3.0), (64, 3.0), (1, 3.0))  # the classifier's load: (clients, seconds), in this order
 RULE_WINDOWS = {"batch_window_ms": 2.0, "batch_window_high_ms": 5.0}  # a MEDIUM and a HIGH batch wait
-
-
-def bodies_for(kind: str, n: int, seed: int) -> list[bytes]:
-    return [orjson.dumps({"inputs": [t]}) for t in corpus.texts(n, seed=seed, kind=kind)]
 
 
 # --- the engine alone ------------------------------------------------------------------------
@@ -517,7 +513,7 @@ def sweep_sections(result: dict[str, Any]) -> dict[str, list[str]]:
                 f" {rounds_word(rounds)}")  # fmt: skip
 
     def named(n: int, b: dict[str, Any]) -> str:  # a best limit only where it wins every round
-        if len(set(winners[n])) == 1:
+        if unanimous(winners[n]) is not None:
             return f"at {n} connections MAX_BATCH_SIZE={b['max_batch_size']}, best in every round"
         each = ", ".join(str(w) for w in winners[n])
         return (f"at {n} connections no limit is best in every round (each round's: {each}; within noise);"
@@ -578,8 +574,7 @@ def classifier_sections(c: dict[str, Any]) -> dict[str, list[str]]:
         return "depth" if d < r else "rate" if r < d else "neither"
 
     runs = list(zip(rows["depth"]["rounds"], rows["rate"]["rounds"], strict=True))
-    each = {key: {winner(d[key], r[key]) for d, r in runs} for key in figures}
-    wins = {key: w.pop() if len(w) == 1 else "noise" for key, w in each.items()}  # every run agrees, or noise
+    wins = {key: unanimous(winner(d[key], r[key]) for d, r in runs) or "noise" for key in figures}
     every = "noise" not in wins.values()
     by_rule = {
         w: [figures[k] for k, x in wins.items() if x == w] for w in ("depth", "rate", "neither", "noise")

@@ -26,12 +26,11 @@ import numpy as np
 import orjson
 import psutil
 
-from benchmarks.stage3 import bodies_for
 from common import corpus
 from common.settings import Settings
 from loadtests import evidence, load
 from loadtests.delay_relay import relay
-from loadtests.load import Answer, post_bodies, process_cpu, settle
+from loadtests.load import Answer, bodies_for, post_bodies, process_cpu, settle
 from loadtests.procs import StageProcess, redis_server, running_stage
 from loadtests.tables import num, page, table
 

@@ -39,8 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import psutil
 
+from common import corpus
 from loadtests.procs import answers, wait_until
 
 SCRIPT = """
@@ -121,6 +123,11 @@ def _children_cpu() -> float:
     """CPU seconds of this process's children that have exited (wrk, once it is done)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def bodies_for(kind: str, n: int, seed: int) -> list[bytes]:
+    """``n`` one-text request bodies of ``common.corpus`` texts of ``kind``, from ``seed``."""
+    return [orjson.dumps({"inputs": [t]}) for t in corpus.texts(n, seed=seed, kind=kind)]
 
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")

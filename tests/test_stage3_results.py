@@ -19,7 +19,6 @@ from benchmarks.stage3 import (
     SWEPT,
     batcher_metrics,
     batcher_with,
-    bodies_for,
     burst,
     call_overhead,
     classifier_sections,
@@ -30,7 +29,7 @@ from benchmarks.stage3 import (
 from common.batch_stats import BatchRecord
 from common.engine import Engine
 from common.settings import Settings
-from loadtests.load import locust
+from loadtests.load import bodies_for, locust
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results"
