@@ -97,15 +97,17 @@ def test_fifty_concurrent_requests_for_one_new_text_run_the_model_once(
 
 # --- deadlines and disconnects ----------------------------------------------------------
 class _Blocker:
-    """Batches of long passages that keep every model slot busy for a while (cache bypassed),
-    and the batch stage 3 keeps ready for the next free slot (BusySlots): what comes next waits
-    in the queue."""
+    """Batches of long passages that keep every model slot busy for a while (cache bypassed): one
+    batch in each slot, the one stage 3 keeps ready for the next free slot (BusySlots), and
+    ``behind`` more in the queue, so that what comes next waits behind several batches however fast
+    the machine runs one."""
 
-    def __init__(self, url: str, n: int = 32) -> None:
+    def __init__(self, url: str, n: int = 32, behind: int = 2) -> None:
         self.slots = int(_metrics(url, "/v1/batcher/config")["batch_concurrency"])
         self.url = url
-        self.requests = [_new(n, kind="passage") for _ in range(self.slots + 1)]  # slots + the ready one
+        self.requests = [_new(n, kind="passage") for _ in range(self.slots + 1 + behind)]
         self.texts = [t for texts in self.requests for t in texts]
+        self.waiting = n * (1 + behind)  # texts not in a slot: the ready batch and those behind it
         self.before = _metrics(url, "/v1/batcher/metrics")["texts"]
         self.result: list[httpx.Response] = []
 
@@ -118,8 +120,10 @@ class _Blocker:
         ]
         for thread in self.threads:
             thread.start()
-        _wait(lambda: _metrics(self.url, "/v1/batcher/metrics")["in_flight"] == self.slots + 1)
-        self.queued = int(_metrics(self.url)["queue_depth"])  # blocker texts that did not fit
+        _wait(
+            lambda: _metrics(self.url, "/v1/batcher/metrics")["in_flight"] == self.slots + 1
+            and _metrics(self.url)["queue_depth"] >= self.waiting
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -154,7 +158,7 @@ def test_client_that_disconnects_is_dropped_before_inference(stage_server: Any) 
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        _wait(lambda: _metrics(url)["queue_depth"] == blocker.queued + 1)  # queued behind the blocker
+        _wait(lambda: _metrics(url)["active"] == len(blocker.requests) + 1)  # in, behind the blocker
         sock.close()
         _wait(lambda: _metrics(url)["disconnects"] == before + 1)
     assert blocker.texts_run_since() == len(blocker.texts)
