@@ -65,8 +65,6 @@ class Oldest:
     """Which texts a batch takes: the oldest that fit the limit (MAX_BATCH_SIZE or less) and
     MAX_BATCH_TOKENS (``lengths.GroupByLength`` sorts rounds by length)."""
 
-    held = 0  # texts taken out of the queue, not in a batch yet: none here
-
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
 
@@ -85,9 +83,6 @@ class Oldest:
             batch.append(queue.popleft())
             longest = max(longest, text.n_tokens)
         return batch
-
-    def drain(self) -> list[QueuedText]:
-        return []
 
 
 # --8<-- [end:take]
@@ -132,8 +127,8 @@ class Batcher:
 
     @property
     def queue_depth(self) -> int:
-        """Texts not in a model slot yet: queued, held by the order, or handed over ahead."""
-        return len(self._queue) + self.order.held + sum(self._ahead)
+        """Texts not in a model slot yet: queued, or handed over ahead."""
+        return len(self._queue) + sum(self._ahead)
 
     async def start(self) -> None:
         # A thread per model slot: BATCH_CONCURRENCY batches side by side, no more.
@@ -211,8 +206,6 @@ class Batcher:
     async def _wait_for_batch(self) -> str | None:
         """Wait for a first text, then up to the window for a full batch; return the batch's tier.
         None: closing, and the queue is empty."""
-        if self.order.held:  # texts the order took out have had their wait
-            return self.window(self.queue_depth)[0]
         while not self._queue:
             if self._closing:
                 return None
@@ -239,7 +232,7 @@ class Batcher:
     def _take(self) -> list[QueuedText]:
         """The next batch, as the order takes it, within the slots' limit."""
         _tier, window_s = self.window(self.queue_depth)
-        limit = self.slots.limit(len(self._queue) + self.order.held + self.in_flight_texts, window_s)
+        limit = self.slots.limit(len(self._queue) + self.in_flight_texts, window_s)
         return self.order.take(self._queue, self._gone, limit)
 
     def _gone(self, text: QueuedText) -> bool:
@@ -334,7 +327,7 @@ class Batcher:
             self._pool.shutdown(wait=True)
 
     def _drain(self) -> list[QueuedText]:
-        left = self.order.drain() + list(self._queue)
+        left = list(self._queue)
         self._queue.clear()
         return left
 

@@ -30,39 +30,30 @@ from stage3_batching.pending import QueuedText, fits
 
 # --8<-- [start:take]
 class GroupByLength(Oldest):
-    """The batcher's take order: sorted rounds of GROUP_WINDOW texts instead of arrival order."""
+    """The batcher's take order: sorted rounds of GROUP_WINDOW texts instead of arrival order.
+    A round goes back to the front of the queue, its batches in order, ahead of later texts."""
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
-        self.rounds: deque[list[QueuedText]] = deque()  # batches already cut, in order
-        self.held = 0  # texts in them: still queued, for the queue depth
+        self.cut: deque[int] = deque()  # the sizes of the round's batches still at the queue's front
 
     def take(
         self, queue: deque[QueuedText], gone: Callable[[QueuedText], bool], limit: int
     ) -> list[QueuedText]:
         """The next batch of the round; when all that is queued fits one batch, the oldest texts."""
         s = self.settings
-        if not self.rounds:
-            window: list[QueuedText] = []
-            while queue and len(window) < max(s.group_window, s.max_batch_size):
-                text = queue.popleft()
-                if not gone(text):
-                    window.append(text)
+        if not self.cut:
+            window = [queue.popleft() for _ in range(min(len(queue), max(s.group_window, s.max_batch_size)))]
+            window = [text for text in window if not gone(text)]
             if fifo_count(window, s) == len(window):  # it all fits one batch: nothing to sort
                 queue.extendleft(reversed(window))
                 return super().take(queue, gone, limit)
             # NEW: sort a bounded window by length and cut it into batches.
-            self.rounds.extend(sorted_round(window, s))
-            self.held = len(window)
-        chosen = self.rounds.popleft()
-        self.held -= len(chosen)
+            batches = sorted_round(window, s)
+            queue.extendleft(reversed([text for batch in batches for text in batch]))
+            self.cut.extend(len(batch) for batch in batches)
+        chosen = [queue.popleft() for _ in range(min(self.cut.popleft(), len(queue)))]
         return [text for text in chosen if not gone(text)]
-
-    def drain(self) -> list[QueuedText]:
-        left = [text for batch in self.rounds for text in batch]
-        self.rounds.clear()
-        self.held = 0
-        return left
 
 
 # --8<-- [end:take]
