@@ -7,7 +7,8 @@ neither do headers or keys.
 
 Writing to stderr can block (a full pipe, a slow log shipper), so the ``embedserve.*`` lines
 go through the standard library's ``QueueHandler`` and ``QueueListener``: the event loop only
-puts the record on a queue, and the listener's thread formats and writes it. The lifespan's end
+puts the record on a queue, and the listener's thread, waking every WRITE_EVERY_S rather than for
+every line, formats and writes what is queued. The lifespan's end
 stops the listener (``stop_logging``), which writes every line still queued first, so a SIGTERM
 loses none. uvicorn configures its loggers before it calls the app factory, so ``configure_logging``,
 called when the app is built, gives uvicorn's lines ("Started server process", "Uvicorn running
@@ -31,6 +32,7 @@ from pythonjsonlogger.orjson import OrjsonFormatter
 from common.settings import Settings
 
 REQUEST_LOGGER = "embedserve.requests"
+WRITE_EVERY_S = 0.05  # how often the listener's thread wakes to write the queued lines
 _SKIP = {*RESERVED_ATTRS, "color_message"}  # uvicorn adds an ANSI-coloured copy of its message
 
 
@@ -82,6 +84,25 @@ class TextFormatter(logging.Formatter):
         return head + pairs + newline + trace
 
 
+class _Listener(QueueListener):
+    """The standard listener, except that its thread wakes every WRITE_EVERY_S to write what is
+    queued, rather than for every line: each wake-up had the event loop hand the GIL over, once a
+    request. A line waits at most that long; ``stop`` still writes every queued line first."""
+
+    def __init__(self, lines: queue.SimpleQueue[Any], target: logging.Handler) -> None:
+        super().__init__(lines, target)
+        self.lines = lines
+
+    def dequeue(self, block: bool) -> Any:
+        while True:
+            try:
+                return self.lines.get_nowait()
+            except queue.Empty:
+                if not block:
+                    raise
+                time.sleep(WRITE_EVERY_S)
+
+
 class _Queued(QueueHandler):
     """Puts records on a queue; a listener thread formats them and writes them to ``target``."""
 
@@ -91,7 +112,7 @@ class _Queued(QueueHandler):
         lines: queue.SimpleQueue[Any] = queue.SimpleQueue()
         super().__init__(lines)
         self.target = target
-        self.listener = QueueListener(lines, target)  # started with the backend (``start_logging``)
+        self.listener = _Listener(lines, target)  # started with the backend (``start_logging``)
         self.running = False
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
