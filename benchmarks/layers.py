@@ -14,7 +14,9 @@ cProfile, for where a layer's time goes: the functions of the repository with th
 Python's garbage collector runs inside whatever function allocates when a collection is due, and
 its work grows with the objects a stage keeps (stage 4's cache): its time is counted apart in
 every round (``gc.callbacks``), and the profiled round runs with the collector off, so a function's
-own time is its own.
+own time is its own. A profile's own times carry the profiler's cost of every call; what a piece of a
+layer costs is measured the other way too: switched off, as its setting does in a server (stage 4's
+cache, stage 5's request line), in rounds of their own in the same turns, on texts of their own.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import contextlib
 import cProfile
 import gc
 import itertools
+import logging
 import os
 import pstats
 import statistics
@@ -45,6 +48,21 @@ from loadtests.tables import num, page, stage_label, table
 CLIENTS, REQUESTS = 32, 2000  # a round: REQUESTS one-text requests from CLIENTS clients at once
 STAGES = ("stage3_batching", "stage4_cache_backpressure", "stage5_metrics")
 REPO = str(Path(__file__).resolve().parent.parent)
+
+
+def _cache_off(app: FastAPI, off: bool) -> None:
+    app.state.backend.cache.enabled = not off  # what CACHE_ENABLED=false does to a request
+
+
+def _request_line_off(app: FastAPI, off: bool) -> None:
+    logging.getLogger("embedserve.requests").setLevel(logging.WARNING if off else logging.NOTSET)
+
+
+# A piece of a stage's layer, switched off: its name, the setting that does the same, the switch.
+PIECES = {
+    "stage4_cache_backpressure": ("the cache steps", "CACHE_ENABLED=false", _cache_off),
+    "stage5_metrics": ("the request's log line", "LOG_LEVEL=WARNING", _request_line_off),
+}
 
 
 def _instant(self: Engine, token_ids: Sequence[np.ndarray]) -> np.ndarray:
@@ -118,15 +136,27 @@ def where(profile: cProfile.Profile, requests: int, top: int) -> list[dict[str, 
 async def measure(rounds: int, top: int) -> dict[str, Any]:
     Engine.run = _instant  # type: ignore[method-assign]
     async with contextlib.AsyncExitStack() as stack:
-        clients = {s: await stack.enter_async_context(client_of(build(s))) for s in STAGES}
+        apps = {s: build(s) for s in STAGES}
+        clients = {s: await stack.enter_async_context(client_of(apps[s])) for s in STAGES}
         for s in STAGES:  # every path warm: imports, first batches, caches of code
             await one_round(clients[s], bodies_for("sentence", 300, 900))
         runs: dict[str, list[float]] = {s: [] for s in STAGES}
         collected: dict[str, list[float]] = {s: [] for s in STAGES}
+        without: dict[str, list[float]] = {s: [] for s in PIECES}
+        turns = [(s, False) for s in STAGES] + [(s, True) for s in PIECES]
         for r in range(rounds):
-            # new texts each round, the same for every stage: all misses
-            bodies = bodies_for("sentence", REQUESTS, 1000 + r)
-            for s in STAGES if r % 2 == 0 else STAGES[::-1]:
+            # new texts each round, the same for every stage: all misses (a piece switched off
+            # runs in its stage's app, so on texts of its own)
+            bodies, own = (
+                bodies_for("sentence", REQUESTS, 1000 + r),
+                bodies_for("sentence", REQUESTS, 3000 + r),
+            )
+            for s, off in turns if r % 2 == 0 else turns[::-1]:
+                if off:
+                    PIECES[s][2](apps[s], True)
+                    without[s].append(round(await one_round(clients[s], own), 1))
+                    PIECES[s][2](apps[s], False)
+                    continue
                 with collecting() as gc_s:
                     runs[s].append(round(await one_round(clients[s], bodies), 1))
                 collected[s].append(round(gc_s[0] * 1e6 / REQUESTS, 1))
@@ -140,15 +170,18 @@ async def measure(rounds: int, top: int) -> dict[str, Any]:
             profile.disable()
             gc.enable()
             profiles[s] = where(profile, REQUESTS, top)
-    return {"runs": runs, "gc_us": collected, "where": profiles}
+    return {"runs": runs, "gc_us": collected, "without": without, "where": profiles}
 
 
-def summarize(runs: dict[str, list[float]]) -> dict[str, Any]:
+def summarize(runs: dict[str, list[float]], without: dict[str, list[float]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for before, stage in itertools.pairwise(STAGES):
         extra = [b - a for a, b in zip(runs[before], runs[stage], strict=True)]  # the same round
         out[stage] = {"over_previous_us": statistics.median(extra), "rounds_us": extra,
                       "share": statistics.median(extra) / statistics.median(runs[before])}  # fmt: skip
+    for stage, off in without.items():
+        cost = [a - b for a, b in zip(runs[stage], off, strict=True)]
+        out[stage]["piece_us"], out[stage]["piece_rounds_us"] = statistics.median(cost), cost
     return out
 
 
@@ -172,6 +205,19 @@ def markdown(result: dict[str, Any]) -> str:
                          "over the stage before, µs", "share"], rows, "lrlrrr"),
         "layers_said": [f"With the model answering at once: {said}."],
     }  # fmt: skip
+    pieces = [(f"{stage_label(s)}: {PIECES[s][0]}", f"`{PIECES[s][1]}`", num(extra[s]["piece_us"], 0),
+               ", ".join(num(x, 0) for x in extra[s]["piece_rounds_us"]),
+               f"{extra[s]['piece_us'] / extra[s]['over_previous_us']:.0%}") for s in PIECES]  # fmt: skip
+    sections["pieces"] = table(["piece", "switched off by", "µs a request it costs", "each round",
+                                "of the stage's layer"], pieces, "llrlr")  # fmt: skip
+
+    def piece(s: str) -> str:
+        cost, rounds = extra[s]["piece_us"], extra[s]["piece_rounds_us"]
+        return (f"{PIECES[s][0]} cost {stage_label(s)} {cost:.0f} µs a request{noise(rounds)} (rounds"
+                f" {min(rounds):.0f} to {max(rounds):.0f} µs), of the {extra[s]['over_previous_us']:.0f} µs"
+                " its layer adds")  # fmt: skip
+
+    sections["pieces_said"] = ["Switched off in rounds of their own: " + "; ".join(map(piece, PIECES)) + "."]
     for s in STAGES:
         sections[f"where-{s.split('_')[0]}"] = table(
             ["function (own time)", "µs a request"],
@@ -199,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):  # stage 5's request lines
         got = asyncio.run(measure(rounds, args.top))
     result = {"stamp": run.stamp(), "clients": CLIENTS, "requests": REQUESTS, "rounds": rounds, **got,
-              "summary": summarize(got["runs"])}  # fmt: skip
+              "summary": summarize(got["runs"], got["without"])}  # fmt: skip
     evidence.publish(run, "layers", result, markdown, args.out)
     return 0
 

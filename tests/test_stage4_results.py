@@ -71,6 +71,11 @@ def test_the_layers_run_every_stage_in_turns_and_name_where_the_time_goes(tmp_pa
     )
     for before, stage in zip(layers.STAGES, layers.STAGES[1:], strict=False):
         assert result["summary"][stage]["rounds_us"] == [result["runs"][stage][0] - result["runs"][before][0]]
+    # each piece switched off in a round of its own, its cost that round's difference
+    for stage in layers.PIECES:
+        off = result["without"][stage]
+        assert len(off) == 1 and off[0] > 0
+        assert result["summary"][stage]["piece_rounds_us"] == [result["runs"][stage][0] - off[0]]
     # the collector's share of each round is counted, and no more than the round itself
     assert all(
         0 <= g[0] <= r[0] for g, r in zip(result["gc_us"].values(), result["runs"].values(), strict=True)
