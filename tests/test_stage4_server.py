@@ -121,8 +121,10 @@ class _Blocker:
         for thread in self.threads:
             thread.start()
         _wait(
-            lambda: _metrics(self.url, "/v1/batcher/metrics")["in_flight"] == self.slots + 1
-            and _metrics(self.url)["queue_depth"] >= self.waiting
+            lambda: (
+                _metrics(self.url, "/v1/batcher/metrics")["in_flight"] == self.slots + 1
+                and _metrics(self.url)["queue_depth"] >= self.waiting
+            )
         )
         return self
 
