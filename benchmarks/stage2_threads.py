@@ -25,10 +25,9 @@ from typing import Any
 import orjson
 
 from benchmarks.compare import unanimous
-from common import corpus
 from common.engine import intra_threads_for
 from loadtests import evidence
-from loadtests.load import settle, wrk
+from loadtests.load import bodies_for, settle, wrk
 from loadtests.procs import running_stage
 from loadtests.tables import num, page, table
 
@@ -40,7 +39,7 @@ CONNECTIONS = (8, 32)
 
 
 def sweep(seconds: float, rounds: int, logs: Path) -> list[dict[str, Any]]:
-    bodies = [orjson.dumps({"inputs": [t]}) for t in corpus.texts(20_000, seed=2, kind="sentence")]
+    bodies = bodies_for("sentence", 20_000, 2)
     runs: dict[tuple[tuple[int, int, bool], int], list[dict[str, Any]]] = {}
     with ExitStack() as stack:
         servers = {

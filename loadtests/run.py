@@ -26,13 +26,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import orjson
 import psutil
 
-from common import corpus
 from common.serve import resolve
 from loadtests import evidence
-from loadtests.load import LOCUSTFILE, locust_command, post_bodies
+from loadtests.load import LOCUSTFILE, bodies_for, locust_command, post_bodies
 from loadtests.procs import REPO, answers, running_stage
 
 OUT = evidence.OUT / "loadtest"  # git-ignored
@@ -102,10 +100,9 @@ def _user_class(stage: str) -> str:
 
 def warm_up(url: str, seconds: float, clients: int = 4) -> None:
     """Unique mixed-length texts from a few clients for ``seconds``, from a seed no profile uses."""
-    texts = corpus.texts(max(200, int(seconds * 400)), seed=WARMUP_SEED, kind="mixed")
     key = next((k.strip() for k in os.environ.get("API_KEY", "").split(",") if k.strip()), "")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    bodies = [orjson.dumps({"inputs": [t]}) for t in texts]
+    bodies = bodies_for("mixed", max(200, int(seconds * 400)), WARMUP_SEED)
     asyncio.run(post_bodies(url, bodies, clients, seconds=seconds, headers=headers))
 
 

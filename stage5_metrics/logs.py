@@ -89,14 +89,10 @@ class _Listener(QueueListener):
     queued, rather than for every line: each wake-up had the event loop hand the GIL over, once a
     request. A line waits at most that long; ``stop`` still writes every queued line first."""
 
-    def __init__(self, lines: queue.SimpleQueue[Any], target: logging.Handler) -> None:
-        super().__init__(lines, target)
-        self.lines = lines
-
     def dequeue(self, block: bool) -> Any:
         while True:
             try:
-                return self.lines.get_nowait()
+                return self.queue.get_nowait()  # type: ignore[attr-defined]  # the SimpleQueue
             except queue.Empty:
                 if not block:
                     raise
