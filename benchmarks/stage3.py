@@ -15,7 +15,7 @@ One run, one machine:
   (``loadtests.load.locust``, one new sentence per request), in rounds: stage 3 with MAX_BATCH_SIZE
   1 to 32 beside stages 1 and 2 at 32 and 128 connections (the sweep: ``batch_sweep`` and
   ``baselines``); stage 3 with windows for its MEDIUM and HIGH tiers at 8, 32 and 128 connections
-  (the windows). A point is its median round.
+  (the windows). A point's figures are their medians over the rounds.
 * ``classifier``: the refined batcher with the real engine (no HTTP), closed-loop clients that step
   from 1 to 64 and back (``STEPS``), under the depth rule (the default) and the rate rule
   (BATCH_TIER_RULE=rate), in turns, with windows set (``RULE_WINDOWS``) so a tier changes what a
@@ -73,6 +73,7 @@ SERVERS = {
     "50 / 50": (S3, {"BATCH_WINDOW_MS": "50", "BATCH_WINDOW_HIGH_MS": "50"}, (8, 32, 128)),
 }
 TIERS = ("low", "medium", "high")
+MEDIANS = ("requests_per_s", "p50_ms", "p99_ms", "average_batch_size", "load_generator_cpu")  # a point's
 REFINEMENTS = ("tiers", "grouping", "buckets", "isolation", "busy_slots")  # the chapter's order
 NAMES = dict(zip(REFINEMENTS, ("load tiers", "length grouping", "length buckets", "failure isolation",
                                "busy slots"), strict=True))  # fmt: skip
@@ -138,17 +139,14 @@ def servers(seconds: float, rounds: int, logs: Path) -> list[dict[str, Any]]:
                     print(orjson.dumps({"round": r, "server": name, **point}).decode(), flush=True)
                     runs.setdefault((name, n), []).append(point)
     out = []
-    for (name, _), ps in runs.items():
-        mid = sorted(ps, key=lambda p: p["requests_per_s"])[len(ps) // 2]  # the median round
-        errors = sum(p["socket_errors"] + round(p["non_2xx_per_s"] * p["window_s"]) for p in ps)
-        out.append(
-            {
-                "server": name,
-                **mid,
-                "errors": errors,
-                "rounds_requests_per_s": [p["requests_per_s"] for p in ps],
-            }
-        )
+    for (name, n), ps in runs.items():
+        middle = {k: statistics.median(p[k] for p in ps) for k in MEDIANS if ps[0].get(k) is not None}
+        out.append({
+            "server": name, "connections": n, **middle,  # each figure its median over the rounds
+            "tiers": {t: sum(p["tiers"][t] for p in ps) for t in TIERS} if "tiers" in ps[0] else None,
+            "errors": sum(p["socket_errors"] + round(p["non_2xx_per_s"] * p["window_s"]) for p in ps),
+            "rounds_requests_per_s": [p["requests_per_s"] for p in ps],
+        })  # fmt: skip
     return out
 
 
@@ -375,15 +373,16 @@ def _point(result: dict[str, Any], server: str, n: int) -> dict[str, Any]:
 
 
 def _prices_said(prices: list[dict[str, Any]], tokens: float, default: int) -> str:
-    """The price nearest the measured one and each other price against the default, judged in every
-    round: a price saves 10% only if it does in every round."""
+    """The price nearest the measured one and each other price against the default (the medians'
+    ratio, as the lab notes' table), judged in every round: a price saves 10% only if it does in
+    every round."""
     at = {p["price"]: p for p in prices}
     rounds = {k: [x / y for x, y in zip(p["rounds_cpu_ms"], at[default]["rounds_cpu_ms"], strict=True)]
               for k, p in at.items()}  # fmt: skip
     nearest = min(at, key=lambda k: abs(k - tokens))
     saves = [k for k, r in rounds.items() if max(r) <= 1 / PAYS]
-    each = "; ".join(f"{k}: {statistics.median(r):.2f}x ({min(r):.2f}–{max(r):.2f}x)"
-                     for k, r in rounds.items() if k != default)  # fmt: skip
+    each = "; ".join(f"{k}: {p['cpu_ms'] / at[default]['cpu_ms']:.2f}x ({min(rounds[k]):.2f}–"
+                     f"{max(rounds[k]):.2f}x)" for k, p in at.items() if k != default)  # fmt: skip
     return (f"In the burst, CPU a text against the default (CALL_OVERHEAD_TOKENS={default}), each"
             f" round's range beside it: {each}; {nearest} is the figure tried nearest the measured price. "
             + (f"Priced at {', '.join(map(str, saves))}, the buckets save 10% or more in every round."
@@ -409,13 +408,13 @@ def _windows(result: dict[str, Any]) -> list[str]:
             for name, (stage, _, loads) in SERVERS.items()
             if stage == S3 and n in loads and not name.startswith("batch ")  # the sweep has its own table
         ]
-        best = max(p["requests_per_s"] for p in points)
+        default = _point(result, "0 / 0", n)["requests_per_s"]
         for p in points:
             share = sum(p["tiers"].values()) or 1
-            rows.append((n, p["server"], num(p["requests_per_s"], 0), f"{p['requests_per_s'] / best:.2f}",
+            rows.append((n, p["server"], num(p["requests_per_s"], 0), f"{p['requests_per_s'] / default:.2f}",
                          num(p["p50_ms"], 1), num(p["p99_ms"], 1), num(p["average_batch_size"], 1),
                          " / ".join(f"{100 * p['tiers'][t] / share:.0f}" for t in TIERS)))  # fmt: skip
-    head = ["connections", "window ms, MEDIUM / HIGH", "req/s", "of best", "p50 ms", "p99 ms", "avg batch",
+    head = ["connections", "window ms, MEDIUM / HIGH", "req/s", "of 0 / 0", "p50 ms", "p99 ms", "avg batch",
             "batches % LOW / MEDIUM / HIGH"]  # fmt: skip
     return table(head, rows, align="rlrrrrrr")
 
@@ -426,8 +425,11 @@ def _rounds(result: dict[str, Any], server: str, base: str, n: int) -> list[floa
     return [x / y for x, y in zip(a, b, strict=True)]
 
 
-def _said(rounds: list[float]) -> str:
-    return f"{statistics.median(rounds):.2f}x (rounds {min(rounds):.2f}–{max(rounds):.2f}x)"
+def _said(result: dict[str, Any], server: str, base: str, n: int) -> str:
+    """The medians' ratio (as the windows' table has it), and each round's range."""
+    rounds = _rounds(result, server, base, n)
+    ratio = _point(result, server, n)["requests_per_s"] / _point(result, base, n)["requests_per_s"]
+    return f"{ratio:.2f}x (rounds {min(rounds):.2f}–{max(rounds):.2f}x)"
 
 
 def _defaults(result: dict[str, Any]) -> str:
@@ -442,7 +444,8 @@ def _defaults(result: dict[str, Any]) -> str:
     better = [w for w, r in ratios.items() if any(g and min(g) >= PAYS for g in r.values())
               and not any(g and min(g) <= 1 / PAYS for g in r.values())]  # fmt: skip
     tried = "; ".join(
-        f"{w}: " + ", ".join("the same code" if g is None else _said(g) for g in r.values())
+        f"{w}: "
+        + ", ".join("the same code" if g is None else _said(result, w, "0 / 0", n) for n, g in r.items())
         for w, r in ratios.items()
     )
     windows = (
@@ -481,7 +484,8 @@ def _plateau_said(flat: list[dict[str, Any]], server_gains: list[float]) -> str:
     else:
         rest = "within 10% of each other, or not in every round: within noise."
     return (
-        f"The engine alone on the sweep's sentences, in this run (each batch its best of the passes): a text"
+        f"The engine one call at a time on the sweep's sentences, as a model slot calls it (tokenize, model"
+        f" and normalize, on one slot's threads), in this run, each batch its best of the passes: a text"
         f" alone costs {alone:.2f} ms of CPU; sorted by length, a text cost the least in batches of"
         f" {low['batch']} ({low['sorted_cpu_ms']:.2f} ms,"
         f" {1 / gain:.2f}x). In arrival order a batch of {last['batch']} pads every row to its longest"
