@@ -12,7 +12,7 @@ the same small queue and one private Redis tier (CACHE_URL):
 * ``composed`` (b): ``deploy/ray/composed.yaml`` deployed on the same nodes: an ingress and a
   ``@serve.batch`` model deployment on each node, called through a handle.
 
-Each answers, with wrk and one new sentence per request (no cache hit): p50 at one connection;
+Each answers, with wrk and one new mixed-length text per request (no cache hit): p50 at one connection;
 capacity at 32 connections, with the CPU each process spent a request (by role: Ray's proxy, the
 process that answers, Ray's model replica, the rest) and each process's memory (RSS); a flood of
 200 connections against the small queue. Ray's processes are found by Ray's state API.
@@ -277,7 +277,8 @@ def markdown(result: dict[str, Any]) -> str:
         "verdict": verdict(s),
     }
     note = (
-        f"One new sentence per request (no cache hit), wrk, {result['duration_s']:g} s a point."
+        f"One new mixed-length text (query, sentence or passage) per request (no cache hit), wrk,"
+        f" {result['duration_s']:g} s a point."
         f" MAX_QUEUE={MAX_QUEUE} texts a server (a worker, a replica, an ingress); {WORKERS} workers in (c);"
         f" Ray's proxy queue {RAY_ARGS['max_queued_requests']}. CPU by role: proxy (Ray's); front, the"
         " process that answers HTTP (stage 5, a worker, a replica of (a), an ingress of (b)), which runs"

@@ -6,8 +6,9 @@ those stages measured in the same run beside the prediction.
     python -m benchmarks.cost_model --record   # written to docs/results/cost_model.{json,md}
 
 The constants, each measured on its own on 12-20 word sentences (the load tests' texts): the model
-with one thread (stage 2's workers, stage 3's slots) and with every thread (stage 1), one more
-call's overhead, a text's share of a padded call, tokenizing, a hop to a worker thread; and the
+with one thread (stage 2's workers, stage 3's slots) and with every thread (stage 1), a text's
+share of a padded call, tokenizing, a hop to a worker thread (one more call's price is stage 3's
+measurement, ``benchmarks/stage3.py``); and the
 HTTP side, the API contract without the model (``benchmarks/null_backend``) under ``wrk``, beside
 stages 1-3 at the same loads: all four servers at once, in turns, so prediction and measurement
 come from one run on one machine.
@@ -128,8 +129,8 @@ def markdown(result: dict[str, Any]) -> str:
     c, cores = result["constants"], result["cores"]
     null, pred, got = result["measured"][SERVERS[0]], result["prediction"], result["measured"]
     rows = [
-        ("model, 1 text, as a worker calls it", num(c["model_ms"], 2), "CPU ms per call (stages 2, 3)"),
-        ("model, 1 text, every thread", num(c["model_ms_all_threads"], 2), "wall ms per call (stages 0, 1)"),
+        ("model, 1 text, one thread", num(c["model_ms"], 2), "CPU ms per call (stages 2, 3)"),
+        ("model, 1 text, every thread", num(c["model_ms_all_threads"], 2), "wall ms per call (stage 1)"),
         (f"a text in a padded call of {BATCH_K}", num(c["per_text_in_batch_ms"], 2), "CPU ms per text"),
         ("tokenize 1 text", num(c["tokenize_ms"], 3), "CPU ms"),
         ("hop to a thread and back", num(c["hop_ms"], 3), "CPU ms"),

@@ -68,8 +68,8 @@ def _cost(row: dict[str, Any], dynamic: dict[str, Any], fp32: dict[str, Any]) ->
     return (
         f"{same} for a text alone and in a batch (largest difference {f'{moved:.1e}' if moved else 0}),"
         f" {row['bytes'] / dynamic['bytes']:.2f}× its file size, {b1}×"
-        f" and {b16}× its texts per CPU-second at batch 1 and 16 ({w1}× and {w16}× by the wall clock,"
-        " the best round of each),"
+        f" and {b16}× its texts per CPU-second at batch 1 and 16 ({w1}× and {w16}× by the wall clock on"
+        " the same one thread, the best round of each),"
         f" STS-B {abs(drop):.2f} points {'below' if drop > 0 else 'above'} fp32"
     )
 
@@ -108,7 +108,7 @@ def markdown(result: dict[str, Any]) -> str:
     baseline = result["baseline"]["variants"]
     sizes = [b for b in baseline[0]["items_per_s"] if b in ("1", "8", "32", "64")]
     speed = table(
-        ["variant", "load s", "p50 ms, 1 text", *(f"items/s b{b}" for b in sizes)],
+        ["variant", "load s", "p50 wall ms, 1 text, every thread", *(f"items/s b{b}" for b in sizes)],
         [(r["variant"], num(r["load_s"], 2), num(r["latency_ms_batch1"]["p50"], 2),
           *(num(r["items_per_s"][b], 0) for b in sizes)) for r in baseline],
     )  # fmt: skip

@@ -268,8 +268,8 @@ def _flood(f: dict[str, Any], no_cache_ms: float) -> list[str]:
         f"Clients that send again at once keep {kept} of the capacity ({most}); clients that wait "
         f"Retry-After keep {min(polite):.0f}-{max(polite):.0f}% at every delay. Each refusal waits the "
         f"delay: the resending clients' p50 answer is {p50[default]} ms at the default {default:g} ms and "
-        f"{p50[max(by)]} ms at {max(by):g}, where a request with no cache on an idle server takes "
-        f"{no_cache_ms:g} ms.",
+        f"{p50[max(by)]} ms at {max(by):g}, where this run's request with no cache, one client at a time"
+        f" (the distance study's), takes {no_cache_ms:g} ms (p50).",
     ]  # fmt: skip
 
 

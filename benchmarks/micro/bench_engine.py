@@ -15,7 +15,7 @@ def bench_model_call(
 ) -> None:
     """`Engine.run` on pre-tokenized sentences: what one batch costs, padding included."""
     ids = [t.ids for t in engine.tokenize(sentences[:batch])]
-    benchmark.group = "engine: model call"
+    benchmark.group = "engine: model call, wall, default threads"
     benchmark.extra_info["texts"] = batch
     vectors = benchmark(engine.run, ids)
     assert vectors.shape == (batch, engine.dimensions)
@@ -35,6 +35,6 @@ def bench_tokenize(
 
 def bench_embed_one(benchmark: pytest.FixtureRequest, engine: Engine, sentences: list[str]) -> None:
     """Tokenize + model + normalize for one sentence: stage 1's work per request, without HTTP."""
-    benchmark.group = "engine: embed"
+    benchmark.group = "engine: embed, wall, default threads"
     out = benchmark(engine.embed, sentences[:1])
     assert out.vectors.shape == (1, engine.dimensions)
