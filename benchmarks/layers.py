@@ -202,7 +202,8 @@ def markdown(result: dict[str, Any]) -> str:
     )
     sections = {
         "layers": table(["stage", "event-loop CPU µs a request", "each round", "of it, garbage collection",
-                         "over the stage before, µs (median of the rounds' differences)", "share"], rows, "lrlrrr"),
+                         "over the stage before, µs (median of the rounds' differences)", "share"],
+                        rows, "lrlrrr"),
         "layers_said": [f"With the model answering at once: {said}."],
     }  # fmt: skip
     pieces = [(f"{stage_label(s)}: {PIECES[s][0]}", f"`{PIECES[s][1]}`", num(extra[s]["piece_us"], 0),
