@@ -5,7 +5,7 @@ those stages measured in the same run beside the prediction.
     python -m benchmarks.cost_model --quick    # under a minute, to see that it works
     python -m benchmarks.cost_model --record   # written to docs/results/cost_model.{json,md}
 
-The constants, each measured on its own on 12-20 word sentences (the load tests' texts): the model
+The constants, in rounds taken in turns on 12-20 word sentences (the load tests' texts): the model
 with one thread (stage 2's workers, stage 3's slots) and with every thread (stage 1), a text's
 share of a padded call, tokenizing, a hop to a worker thread (one more call's price is stage 3's
 measurement, ``benchmarks/stage3.py``); and the
@@ -44,24 +44,15 @@ CONNECTIONS = (1, 32)
 BATCH_K = 16  # sentences in the padded call
 
 
-def _ms(fn: Callable[[int], object], n: int, rounds: int, clock: Callable[[], float]) -> float:
-    """Milliseconds per call of ``fn(i)``: the median of ``rounds`` rounds of ``n`` calls."""
-    per_round = []
-    for _ in range(rounds):
-        start = clock()
-        for i in range(n):
-            fn(i)
-        per_round.append((clock() - start) / n * 1e3)
-    return statistics.median(per_round)
-
-
 def constants(rounds: int, n: int) -> dict[str, Any]:
+    """Each constant in ms, the median of ``rounds`` rounds taken in turns (a busy spell hits them all
+    alike); the model alone and in calls of ``BATCH_K`` on the same ``4 * BATCH_K`` sentences."""
     settings, cpu = Settings(), time.process_time
     slot = Engine.from_settings(settings, calls_at_once=settings.worker_threads)  # stage 2's, stage 3's
     every = Engine.from_settings(settings)  # one call at a time, ONNX Runtime's default threads
     slot.warmup()
     every.warmup()
-    texts = corpus.texts(256, seed=31, kind="sentence")
+    texts = corpus.texts(4 * BATCH_K, seed=31, kind="sentence")
     ids = [t.ids for t in slot.tokenize(texts)]
     pool = ThreadPoolExecutor(1)
 
@@ -69,13 +60,24 @@ def constants(rounds: int, n: int) -> dict[str, Any]:
         for _ in range(n):
             await asyncio.get_running_loop().run_in_executor(pool, int)
 
+    calls = range(0, len(ids), BATCH_K)
+    timed: dict[str, tuple[Callable[[], object], int, Callable[[], float]]] = {  # work, its count, clock
+        "model_ms": (lambda: [slot.run([row]) for row in ids], len(ids), cpu),
+        "model_ms_all_threads": (lambda: [every.run([row]) for row in ids], len(ids), time.perf_counter),
+        "per_text_in_batch_ms": (lambda: [slot.run(ids[i : i + BATCH_K]) for i in calls], len(ids), cpu),
+        "tokenize_ms": (lambda: [slot.tokenize([text]) for text in texts], len(texts), cpu),
+        "hop_ms": (lambda: asyncio.run(hops()), n, cpu),
+    }  # fmt: skip
+    got: dict[str, list[float]] = {key: [] for key in timed}
+    for _ in range(rounds):
+        for key, (work, count, clock) in timed.items():
+            start = clock()
+            work()
+            got[key].append((clock() - start) / count * 1e3)
+    pairs = zip(got["per_text_in_batch_ms"], got["model_ms"], strict=True)  # in a call over alone, each round
     return {
-        "model_ms": _ms(lambda i: slot.run([ids[i]]), n, rounds, cpu),
-        "model_ms_all_threads": _ms(lambda i: every.run([ids[i]]), n, rounds, time.perf_counter),
-        "per_text_in_batch_ms": _ms(lambda i: slot.run(ids[i * BATCH_K : (i + 1) * BATCH_K]), 4, rounds, cpu)
-        / BATCH_K,
-        "tokenize_ms": _ms(lambda i: slot.tokenize([texts[i]]), n, rounds, cpu),
-        "hop_ms": _ms(lambda _: asyncio.run(hops()), 1, rounds, cpu) / n,
+        **{key: statistics.median(ms) for key, ms in got.items()},
+        "batch_rounds": [b / a for b, a in pairs],
     }
 
 
@@ -150,6 +152,7 @@ def markdown(result: dict[str, Any]) -> str:
 
     s1, s2, s3 = SERVERS[1:]
     alone, batched, h = c["model_ms"], c["per_text_in_batch_ms"], null["32"]["server_cpu_ms"]
+    each = c["batch_rounds"]
     sections = {
         "constants": table(["constant", "value", "unit"], rows, "lrl"),
         "prediction": prediction,
@@ -158,7 +161,7 @@ def markdown(result: dict[str, Any]) -> str:
                     f" {ratio(s3, s2, '32')}."],
         "batching": [f"In this run, on one thread, a text costs the model {alone:.2f} ms of CPU alone and"
                      f" {batched:.2f} ms as one of {BATCH_K} sentences in one call, padded to the longest"
-                     f" ({batched / alone:.2f}x)."],
+                     f" ({batched / alone:.2f}x; rounds {min(each):.2f}–{max(each):.2f}x)."],
         "loop": [f"The HTTP side alone (the contract with no model) spends {h:.2f} ms of CPU a request:"
                  f" one event loop can carry at most"
                  f" {1e3 / h:,.0f} requests/s, a rate the cores reach with about"

@@ -202,7 +202,7 @@ def markdown(result: dict[str, Any]) -> str:
     )
     sections = {
         "layers": table(["stage", "event-loop CPU µs a request", "each round", "of it, garbage collection",
-                         "over the stage before, µs (median of the rounds' differences)", "share"],
+                         "added µs (median of the rounds')", "share"],
                         rows, "lrlrrr"),
         "layers_said": [f"With the model answering at once: {said}."],
     }  # fmt: skip

@@ -55,8 +55,9 @@ def _cos(row: dict[str, Any], key: str) -> str:
     return num(row.get(key), 4) if row["kind"] != "fp32" else "—"
 
 
-def _cost(row: dict[str, Any], dynamic: dict[str, Any], fp32: dict[str, Any]) -> str:
-    """What one INT8 file costs against dynamic INT8, in ratios, as words the docs can quote."""
+def _cost(row: dict[str, Any], dynamic: dict[str, Any], fp32: dict[str, Any], every: dict[str, Any]) -> str:
+    """What one INT8 file costs against dynamic INT8, in ratios, as words the docs can quote; ``every``:
+    the speed table's texts/s with every thread, by variant and batch size."""
     drop = fp32["stsb_spearman_x100"] - row["stsb_spearman_x100"]
     moved = row["max_batch_difference"]
     same = "the same vector" if moved <= INVARIANCE_ATOL else "a different vector"
@@ -69,7 +70,9 @@ def _cost(row: dict[str, Any], dynamic: dict[str, Any], fp32: dict[str, Any]) ->
         f"{same} for a text alone and in a batch (largest difference {f'{moved:.1e}' if moved else 0}),"
         f" {row['bytes'] / dynamic['bytes']:.2f}× its file size, {b1}×"
         f" and {b16}× its texts per CPU-second at batch 1 and 16 ({w1}× and {w16}× by the wall clock on"
-        " the same one thread, the best round of each),"
+        " the same one thread, the best round of each; with every thread,"
+        f" {_ratio(every[row['name']], every['int8-dynamic'], '1')}× and"
+        f" {_ratio(every[row['name']], every['int8-dynamic'], '16')}× by the speed table's wall clock),"
         f" STS-B {abs(drop):.2f} points {'below' if drop > 0 else 'above'} fp32"
     )
 
@@ -100,12 +103,13 @@ def markdown(result: dict[str, Any]) -> str:
           _difference(r["max_batch_difference"]))
          for r in built],
     )  # fmt: skip
+    baseline = result["baseline"]["variants"]
+    every = {r["variant"]: r["items_per_s"] for r in baseline}
     invariance = (
         f"Against dynamic INT8 (largest difference {dynamic['max_batch_difference']:.1e}), row-wise"
-        f" INT8 gives {_cost(rows['int8-rowwise'], dynamic, fp32)}; static INT8 gives"
-        f" {_cost(rows['int8-static'], dynamic, fp32)}."
+        f" INT8 gives {_cost(rows['int8-rowwise'], dynamic, fp32, every)}; static INT8 gives"
+        f" {_cost(rows['int8-static'], dynamic, fp32, every)}."
     )
-    baseline = result["baseline"]["variants"]
     sizes = [b for b in baseline[0]["items_per_s"] if b in ("1", "8", "32", "64")]
     speed = table(
         ["variant", "load s", "p50 wall ms, 1 text, every thread", *(f"items/s b{b}" for b in sizes)],
