@@ -62,6 +62,7 @@ def _cost(row: dict[str, Any], dynamic: dict[str, Any], fp32: dict[str, Any], ev
     moved = row["max_batch_difference"]
     same = "the same vector" if moved <= INVARIANCE_ATOL else "a different vector"
     b1, b16 = _ratio(row, dynamic, "texts_per_cpu_s_b1"), _ratio(row, dynamic, "texts_per_cpu_s_b16")
+    mine, theirs = every.get(row["name"], {}), every.get("int8-dynamic", {})
     w1, w16 = (
         _ratio(row, dynamic, "texts_per_s_b1_wall_best"),
         _ratio(row, dynamic, "texts_per_s_b16_wall_best"),
@@ -71,8 +72,7 @@ def _cost(row: dict[str, Any], dynamic: dict[str, Any], fp32: dict[str, Any], ev
         f" {row['bytes'] / dynamic['bytes']:.2f}× its file size, {b1}×"
         f" and {b16}× its texts per CPU-second at batch 1 and 16 ({w1}× and {w16}× by the wall clock on"
         " the same one thread, the best round of each; with every thread,"
-        f" {_ratio(every[row['name']], every['int8-dynamic'], '1')}× and"
-        f" {_ratio(every[row['name']], every['int8-dynamic'], '16')}× by the speed table's wall clock),"
+        f" {_ratio(mine, theirs, '1')}× and {_ratio(mine, theirs, '16')}× by the speed table's wall clock),"
         f" STS-B {abs(drop):.2f} points {'below' if drop > 0 else 'above'} fp32"
     )
 

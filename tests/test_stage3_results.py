@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def test_the_sweep_holds_every_batch_limit_beside_stages_1_and_2_and_its_verdict
         (s, n) for s in ("stage 1", "stage 2") for n in SWEEP
     ]
     for row in result["batch_sweep"] + result["baselines"]:
-        assert len(row["rounds"]) == result["rounds"] and row["req_s"] in row["rounds"]
+        assert len(row["rounds"]) == result["rounds"] and row["req_s"] == statistics.median(row["rounds"])
     for row in result["batch_sweep"]:
         assert row["mean_batch"] <= row["max_batch_size"] + 1e-9  # the limit holds
     for one in result["batch_of_one"].values():
