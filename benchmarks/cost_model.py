@@ -159,15 +159,18 @@ def markdown(result: dict[str, Any]) -> str:
         "reading": [f"At one connection, stage 1 against stage 2: {ratio(s1, s2, '1')}. At 32 connections,"
                     f" stage 2 against stage 1: {ratio(s2, s1, '32')}; stage 3 against stage 2:"
                     f" {ratio(s3, s2, '32')}."],
-        "batching": [f"In this run, on one thread, a text costs the model {alone:.2f} ms of CPU alone and"
+        "batching": [f"In this run, on one thread, over {4 * BATCH_K} sentences (the median of {len(each)}"
+                     f" rounds), a text costs the model {alone:.2f} ms of CPU alone and"
                      f" {batched:.2f} ms as one of {BATCH_K} sentences in one call, padded to the longest"
                      f" ({batched / alone:.2f}x; rounds {min(each):.2f}–{max(each):.2f}x)."],
         "loop": [f"The HTTP side alone (the contract with no model) spends {h:.2f} ms of CPU a request:"
-                 f" one event loop can carry at most"
+                 f" one event loop can carry about"
                  f" {1e3 / h:,.0f} requests/s, a rate the cores reach with about"
                  f" {(h + batched) / h:.0f} cores (the load generator elsewhere). This machine has {cores}."],
     }  # fmt: skip
-    return page(result["stamp"], sections, f"{result['seconds']:g} s a point, {result['rounds']} round(s).")
+    note = (f"The constants: {len(each)} rounds in turns. The servers: {result['seconds']:g} s a point,"
+            f" {result['rounds']} round(s).")  # fmt: skip
+    return page(result["stamp"], sections, note)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

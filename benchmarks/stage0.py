@@ -110,7 +110,7 @@ def markdown(result: dict[str, Any]) -> str:
         f" INT8 gives {_cost(rows['int8-rowwise'], dynamic, fp32, every)}; static INT8 gives"
         f" {_cost(rows['int8-static'], dynamic, fp32, every)}."
     )
-    sizes = [b for b in baseline[0]["items_per_s"] if b in ("1", "8", "32", "64")]
+    sizes = [b for b in baseline[0]["items_per_s"] if b in ("1", "8", "16", "32", "64")]
     speed = table(
         ["variant", "load s", "p50 wall ms, 1 text, every thread", *(f"items/s b{b}" for b in sizes)],
         [(r["variant"], num(r["load_s"], 2), num(r["latency_ms_batch1"]["p50"], 2),

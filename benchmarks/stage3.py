@@ -400,6 +400,17 @@ def _twins(ref: dict[str, Any], default: int) -> str:
     )
 
 
+def _last_step(ref: dict[str, Any]) -> str:
+    """The last refinement against the row before it, in texts per CPU-second, round by round."""
+    before, last = ref["rows"][-2:]
+    rounds = [b / a for a, b in zip(last["rounds_cpu_ms"], before["rounds_cpu_ms"], strict=True)]
+    ratio = before["cpu_ms"] / last["cpu_ms"]
+    step, prev = (row["batcher"].split("+ ")[-1] for row in (last, before))
+    return (f"The burst's last step, {step}, against the row before ({prev}), texts per CPU-second:"
+            f" {ratio:.2f}x"
+            f" (rounds {min(rounds):.2f}–{max(rounds):.2f}x): {rounds_word(rounds)}.")  # fmt: skip
+
+
 def _windows(result: dict[str, Any]) -> list[str]:
     rows = []
     for n in (8, 32, 128):
@@ -616,6 +627,7 @@ def markdown(result: dict[str, Any]) -> str:
             [(r["batcher"], r["model_calls"], f"{r['padding_ratio']:.0%}", num(r["cpu_ms"], 2),
               num(r["texts_per_s"], 0), r["bad_text"]["failed_callers"], r["bad_text"]["model_calls"],
               num(r["lone_wait_ms"], 2)) for r in ref["rows"]]), "", _twins(ref, default)],
+        "last_step": [_last_step(ref)],
         "prices": table(["CALL_OVERHEAD_TOKENS", "model calls", "padding", "CPU ms a text", "of the default"],
                         [(p["price"], p["model_calls"], f"{p['padding_ratio']:.0%}", num(p["cpu_ms"], 2),
                           f"{p['cpu_ms'] / at_default:.2f}") for p in ref["prices"]]),
