@@ -8,8 +8,9 @@ The pool runs WORKER_THREADS model calls at once, each with ONNX_INTRA_THREADS t
 default: the cores shared out among the calls; for one call, ONNX Runtime's own choice, every
 core). ONNX_SPINNING keeps idle ONNX threads spinning instead of sleeping. Each layout runs as
 its own stage 2 server, all at once (an idle one costs nothing), loaded by ``wrk`` with 8 and 32
-connections, one new sentence per request, in rounds that visit the servers in a new random order
-each time, so a busy spell of the machine hits them all alike; a point is its median round.
+connections, one sentence per request (the same list at every point), in rounds that visit the
+servers in a new random order each time, so a busy spell of the machine hits them all alike; each
+figure of a point is its median over the rounds.
 """
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ def markdown(result: dict[str, Any]) -> str:
             + (", the defaults." if best == DEFAULTS else ", not the defaults.")
         )
     ]
-    note = f"{result['rounds']} round(s) of {result['seconds']:g} s per point, the median round shown."
+    note = (
+        f"{result['rounds']} round(s) of {result['seconds']:g} s per point; each column its median over them."
+    )
     return page(result["stamp"], {"table": table(head, rows), "best": words}, note)
 
 
