@@ -19,7 +19,7 @@ from common.api import create_app
 from stage3_batching import routes as batcher_routes
 from stage4_cache_backpressure import routes as cache_routes
 from stage4_cache_backpressure.backend import make_backend
-from stage4_cache_backpressure.shed import add_shedding
+from stage4_cache_backpressure.shed import ShedWhenFull
 
 # --8<-- [start:build]
 app = create_app(
@@ -30,5 +30,5 @@ app = create_app(
 )
 app.include_router(batcher_routes.router)  # stage 3's routes
 app.include_router(cache_routes.router)  # NEW: /v1/cache/metrics
-add_shedding(app)  # NEW: a full queue refuses requests unread
+app.add_middleware(ShedWhenFull)  # NEW: a full queue refuses requests unread
 # --8<-- [end:build]

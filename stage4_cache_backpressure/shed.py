@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fastapi import FastAPI, Request, Response
-from starlette.middleware.base import RequestResponseEndpoint
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.limits import error_response
@@ -50,20 +48,3 @@ class ShedWhenFull:
 
 
 # --8<-- [end:shed]
-
-
-def add_shedding(app: FastAPI) -> None:
-    """The same door in FastAPI's idiom, ``@app.middleware("http")``: the idiom step's reference."""
-
-    @app.middleware("http")
-    async def shed_when_full(request: Request, call_next: RequestResponseEndpoint) -> Response:
-        if request.method == "POST" and request.url.path in EMBED_PATHS:
-            backend = request.app.state.backend
-            refusal = None if backend is None else backend.turn_away()
-            if refusal is not None:
-                started = time.perf_counter()
-                if backend.settings.shed_delay_ms > 0:
-                    await asyncio.sleep(backend.settings.shed_delay_ms / 1e3)
-                refusal.headers["x-total-time"] = f"{(time.perf_counter() - started) * 1e3:.2f}"
-                return error_response(refusal)
-        return await call_next(request)

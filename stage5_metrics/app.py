@@ -31,12 +31,12 @@ from common.settings import Settings, get_settings
 from stage3_batching import routes as batcher_routes
 from stage4_cache_backpressure import backend as stage4
 from stage4_cache_backpressure import routes as cache_routes
-from stage4_cache_backpressure.shed import add_shedding
+from stage4_cache_backpressure.shed import ShedWhenFull
 from stage5_metrics.backend import MetricsBackend
 from stage5_metrics.dashboard import add_dashboard_routes
 from stage5_metrics.logs import configure_logging
 from stage5_metrics.metrics import Metrics
-from stage5_metrics.telemetry import add_telemetry
+from stage5_metrics.telemetry import Telemetry
 from stage5_metrics.window import Window
 
 
@@ -65,9 +65,9 @@ def create_app(
     app.state.metrics = metrics  # (a cluster copies it into Ray's metrics: deploy/ray/app.py)
     app.include_router(batcher_routes.router)  # stage 3's routes
     app.include_router(cache_routes.router)  # stage 4's route
-    add_shedding(app)  # stage 4's door
+    app.add_middleware(ShedWhenFull)  # stage 4's door
     add_dashboard_routes(app, metrics, window)  # NEW: /metrics, /v1/metrics, /v1/dashboard, /dashboard
-    add_telemetry(app, metrics)  # NEW: outermost, so it sees every answer
+    app.add_middleware(Telemetry, metrics=metrics)  # NEW: outermost, so it sees every answer
     return app
 
 

@@ -20,9 +20,7 @@ import re
 import time
 import uuid
 
-from fastapi import FastAPI, Request, Response
 from starlette.datastructures import Headers
-from starlette.middleware.base import RequestResponseEndpoint
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stage5_metrics.logs import RequestRecord, current_record, log_request
@@ -99,24 +97,3 @@ class Telemetry:
 
 
 # --8<-- [end:middleware]
-
-
-def add_telemetry(app: FastAPI, metrics: Metrics) -> None:
-    """The same middleware in FastAPI's idiom, ``@app.middleware("http")``: the idiom step's reference."""
-
-    @app.middleware("http")
-    async def telemetry(request: Request, call_next: RequestResponseEndpoint) -> Response:
-        started = time.perf_counter()
-        record = RequestRecord(_request_id(request.headers.get("x-request-id")))
-        current_record.set(record)  # for the backend to fill in (the app runs in a task of its own)
-        status = _CLIENT_GONE
-        try:
-            response = await call_next(request)
-            status = response.status_code
-        except Exception:
-            status = 500  # Starlette's outermost handler answers it after us
-            raise
-        finally:  # also when cancelled: the server gave up on the request, logged as 499
-            finish(metrics, request.scope, record, status, time.perf_counter() - started)
-        response.headers["x-request-id"] = record.request_id
-        return response
