@@ -91,9 +91,9 @@ STEPS: tuple[Step, ...] = (
          args=("--against", "31e7b5d", "--profiles", "unique-32,unique-128", "--rounds", "3"),
          render="against_markdown"),
     # 2 stages x 2 profiles x 2 commits x 3 rounds x (2 s + about 0.8 s), and 4 start-ups
-    Step("idiom", "stages 4 and 5 with FastAPI's @app.middleware (commit d5f0201) and as shipped, in turns",
+    Step("idiom", "stages 4 and 5 with FastAPI's @app.middleware (commit 0dc2988) and as shipped, in turns",
          "benchmarks.compare", ("idiom.json",), 2.2, 1,
-         args=("--against", "d5f0201", "--stages", "4,5", "--profiles", "unique-32,repeated-32", "--rounds",
+         args=("--against", "0dc2988", "--stages", "4,5", "--profiles", "unique-32,repeated-32", "--rounds",
                "3", "--name", "idiom"), render="against_markdown"),
     # the constants (30 s), 4 servers starting at once (15 s), 2 rounds x 8 points x (3 s + about 0.7 s)
     Step("cost-model", "the cost model: its constants, its prediction beside stages 1-3 in the same run",
