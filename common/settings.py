@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -159,6 +159,7 @@ class Settings(BaseSettings):
         "(one larger than the bound still goes into an empty queue).",
     )
     overload_status: Literal[503, 429] = Field(503, description="Status code for a full queue.")
+
     shed_delay_ms: float = Field(
         50.0,
         ge=0,
@@ -189,6 +190,12 @@ class Settings(BaseSettings):
     protect_metrics: bool = Field(
         True, description="With API_KEY set, /metrics and /dashboard require a key too."
     )
+
+    @field_validator("overload_status", mode="before")
+    @classmethod
+    def _status_from_text(cls, value: object) -> object:
+        """The environment gives text ("429"); a literal of numbers takes no text, so read it first."""
+        return int(value) if isinstance(value, str) and value.strip().isdigit() else value
 
 
 @lru_cache(maxsize=1)

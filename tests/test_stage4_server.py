@@ -341,13 +341,14 @@ def test_ctrl_c_skips_the_drain_delay(server_factory: Any) -> None:
     assert time.monotonic() - signalled < 10
 
 
-def test_a_full_queue_refuses_unread_after_the_shed_delay(server_factory: Any) -> None:
+@pytest.mark.parametrize("status", ["503", "429"])  # the default, and OVERLOAD_STATUS=429 as operators set it
+def test_a_full_queue_refuses_unread_after_the_shed_delay(server_factory: Any, status: str) -> None:
     """While the queue is full, a request is refused before its body is read (shed.py): the client
-    here sends its headers and never the body it announces, and still gets its 503, after
-    SHED_DELAY_MS, in the API's error shape, with Retry-After."""
+    here sends its headers and never the body it announces, and still gets its OVERLOAD_STATUS,
+    after SHED_DELAY_MS, in the API's error shape, with Retry-After."""
     import threading
 
-    env = {"MAX_QUEUE": "4", "SHED_DELAY_MS": "200", "BATCH_CONCURRENCY": "1"}
+    env = {"MAX_QUEUE": "4", "SHED_DELAY_MS": "200", "BATCH_CONCURRENCY": "1", "OVERLOAD_STATUS": status}
     with server_factory(STAGE, env) as server:
         url = server.url
         before = _metrics(url)["rejected"]
@@ -380,7 +381,7 @@ def test_a_full_queue_refuses_unread_after_the_shed_delay(server_factory: Any) -
         assert [r.status_code for r in answers] == [200, 200]
         lines = head.decode().split("\r\n")
         headers = dict(line.lower().split(": ", 1) for line in lines[1:])
-        assert lines[0].split(" ")[1] == "503"
+        assert lines[0].split(" ")[1] == status
         assert 0.15 <= waited < 5.0  # SHED_DELAY_MS (asyncio's timers may fire a hair early)
         assert int(headers["retry-after"]) >= 1
         assert orjson.loads(body)["error"]["type"] == "overloaded_error"

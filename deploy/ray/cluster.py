@@ -51,7 +51,8 @@ def node_env() -> dict[str, str]:
         "RAY_USAGE_STATS_ENABLED": "0",
         # A crashed node is declared dead after this many missed health checks, this far apart;
         # until then a request sent to its replicas waits. Ray's defaults (5 x 3 s) outlast a
-        # request's deadline, so the caller got a 504 where a retryable 503 was due.
+        # deadline under 15 s (the cluster tests' is 10 s): the caller got a 504 where a retryable
+        # 503 was due.
         "RAY_health_check_period_ms": "1000",
         "RAY_health_check_failure_threshold": "3",
     }
