@@ -290,21 +290,25 @@ def targets_sections(result: dict[str, Any]) -> dict[str, list[str]]:
     s = result["summary"]
     s2, s3, s3_1, s2_1 = (s["unique-32"]["stage2_threadpool"], s["unique-32"]["stage3_batching"],
                           s["unique-1"]["stage3_batching"], s["unique-1"]["stage2_threadpool"])  # fmt: skip
-    engine_ms = (
-        1e3 * result["stamp"]["machine"]["logical_cores"] / result["ceiling"]["sentence"]["texts_per_s"]
-    )
+    cores, ceiling = result["stamp"]["machine"]["logical_cores"], result["ceiling"]["sentence"]["texts_per_s"]
+    engine_ms, bound = (
+        1e3 * cores / ceiling,
+        1e3 * cores / s3["cpu_ms"],
+    )  # bound: the cores at its CPU a request
     reasons = {
         "engine": f"Against the engine alone: stage 3 spent {num(s3['cpu_ms'], 2)} ms of CPU a request at 32"
-        f" connections, and Locust {s3['load_generator_cpu']:.2f} of the cores, where the engine alone at"
-        f" its ceiling takes {engine_ms:.2f} ms of core time a text (the cores over its texts a second): "
+        f" connections, the engine at its ceiling {engine_ms:.2f} ms of core time a text (the cores over its"
+        f" texts a second). At its own cost the cores would serve {bound:.0f} requests a second,"
+        f" {bound / ceiling:.2f}x the engine"
         + (
-            "the HTTP, the JSON and the event loop's share of each request, which no batch shares"
-            " ([cost model](cost_model.md))."
-            if s3["cpu_ms"] > engine_ms
-            else "the server's own CPU a"
-            " request is no more than the engine's, so the rest is the cores it did not get: Locust's"
-            " share, and the time they sat idle between batches."
-        ),
+            ": the gap is the HTTP, the JSON and the event loop's share of each request, which no batch"
+            " shares ([cost model](cost_model.md))."
+            if bound < ceiling
+            else ": its own work costs no more than the engine's."
+        )
+        + f" It served {s3['requests_per_s']:.0f}, {s3['requests_per_s'] / bound:.2f}x of that: the rest is"
+        f" the cores it did not get, Locust's {s3['load_generator_cpu']:.2f} and the time they sat idle"
+        " between batches.",
         "rps": f"Against stage 2 in requests a second: at 32 connections stage 3 spent {num(s3['cpu_ms'], 2)}"
         f" ms of CPU a request, stage 2 {num(s2['cpu_ms'], 2)}; with the cores busy, requests a second"
         " follow what a request costs. A batch shares the model call; a request's own work (HTTP, JSON,"

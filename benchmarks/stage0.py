@@ -145,8 +145,12 @@ def _decision(study: dict[str, Any], rows: dict[str, dict[str, Any]]) -> str:
     static = [r for r in study["variants"] if r["kind"] == "static"]
     passing = [r for r in static if r.get("gate_failures") == []]
     default = rows[study["int8_default"]]
+    twins = [
+        r["name"] for r in static if r["name"] != "int8-static" and r.get("recipe") == study["build_recipe"]
+    ]
     text = (
         f"Served as `int8`: `{default['name']}`. {len(passing)} of {len(static)} static files pass the gates"
+        + (f" (`{twins[0]}` is the build's own recipe, `int8-static`, rebuilt by the study)" if twins else "")
     )
     if not study["best_static"]:
         return text + "."

@@ -107,7 +107,14 @@ def markdown(result: dict[str, Any]) -> str:
         f" {ratios(DEFAULTS, (1, 0, False))} of one call on every core, and"
         f" {ratios(DEFAULTS, (1, 1, False))} of one call of one thread. Two calls of two threads each"
         f" did {ratios((2, 2, False), DEFAULTS)} of the defaults; the defaults with ONNX_SPINNING on"
-        f" did {ratios((2, 0, True), DEFAULTS)}. Most requests/s over both loads in every round: "
+        f" did {ratios((2, 0, True), DEFAULTS)}"
+        + (
+            " (with one thread a call ONNX Runtime keeps no threads to spin: the same server twice, so this"
+            " ratio is the sweep's noise)"
+            if _threads(DEFAULTS, cores) == 1
+            else ""
+        )
+        + ". Most requests/s over both loads in every round: "
         + (
             "no one layout (within noise)."
             if best is None

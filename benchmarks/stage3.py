@@ -478,13 +478,12 @@ def _sweep_row(name: str, r: dict[str, Any]) -> tuple[Any, ...]:
             num(r.get("mean_batch"), 1), rounds)  # fmt: skip
 
 
-def _plateau_said(flat: list[dict[str, Any]], server_gains: list[float]) -> str:
+def _plateau_said(flat: list[dict[str, Any]], server_gain: float, server_gains: list[float]) -> str:
     """Where the engine's cost a text stops falling, what padding adds, and the server's gain beside it
     (its best limit over a limit of one, in each round)."""
     alone = min(flat[0]["as_they_come_cpu_ms"], flat[0]["sorted_cpu_ms"])  # a batch of one: either order
     low, last = min(flat, key=lambda r: r["sorted_cpu_ms"]), flat[-1]
     gain, padded = alone / low["sorted_cpu_ms"], last["as_they_come_cpu_ms"] / last["sorted_cpu_ms"]
-    server_gain = statistics.median(server_gains)
     if min(server_gains) >= PAYS * gain:
         rest = (
             "the rest of the server's gain is the work around each call (a thread hand-off, the event"
@@ -542,6 +541,7 @@ def sweep_sections(result: dict[str, Any]) -> dict[str, list[str]]:
     )
     one = next(r for r in sweep if (r["max_batch_size"], r["connections"]) == (1, SWEEP[0]))
     gains = [x / y for x, y in zip(best[SWEEP[0]]["rounds"], one["rounds"], strict=True)]  # best over 1
+    gain = best[SWEEP[0]]["req_s"] / one["req_s"]  # the medians' ratio, as the sweep's table has them
     flat = result["plateau"]
     plateau = [
         (
@@ -564,7 +564,7 @@ def sweep_sections(result: dict[str, Any]) -> dict[str, list[str]]:
         "batch_of_one": [f"Stage 3 with MAX_BATCH_SIZE=1 against stage 2, in requests a second: {said}."],
         "plateau": table(["batch", "CPU ms a text, as they come", "sorted by length",
                           "wall ms a text, as they come", "sorted by length"], plateau, "rrrrr"),
-        "plateau_verdict": [_plateau_said(flat, gains)],
+        "plateau_verdict": [_plateau_said(flat, gain, gains)],
     }  # fmt: skip
 
 

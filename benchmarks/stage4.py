@@ -259,7 +259,8 @@ def _flood(f: dict[str, Any], no_cache_ms: float) -> list[str]:
     most = f"in this one run (one point a delay), the most at {best:g} ms; the default is {default:g} ms"
     return [
         f"**A flood** (stage 4, MAX_QUEUE={f['settings']['MAX_QUEUE']}, {f['clients']} `wrk` connections, "
-        f"one new sentence per request, {f['duration_s']:g} s per point; capacity, stage 4 with its defaults "
+        f"one new sentence per request, {f['duration_s']:g} s per point; capacity in this run, stage 4"
+        " with its defaults under wrk "
         f"at 32 connections: {f['capacity_per_s']:.0f} answers/s):",
         "",
         *table(["SHED_DELAY_MS", f"{f['clients']} clients that ...", "200s/s", "503s/s", "of capacity",
