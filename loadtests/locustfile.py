@@ -63,8 +63,9 @@ def _options(parser: Any) -> None:
     parser.add_argument(
         "--unique-ratio",
         type=float,
-        default=0.3,
-        help="RepeatedTextUser: share of texts never sent before (the rest are repeats).",
+        default=0.333,
+        help="RepeatedTextUser: share of texts never sent before (the rest are repeats); make compare's"
+        " repeated-32 sends a third new.",
     )
     parser.add_argument(
         "--wave-period",
