@@ -325,6 +325,9 @@ def targets_sections(result: dict[str, Any]) -> dict[str, list[str]]:
             f"Stage 3's targets, met in every round for {met} of {len(got)} in this run:",
             "",
             *lines,
+            "",
+            "Locust keeps a response time to the millisecond under 100 ms and to 10 ms up to a second, so a"
+            " latency ratio moves in those steps (4 against 5 ms is 1.25x).",
         ],
         "why_missed": [" ".join(rest) if rest else "Every target is met in every round of this run."],
     }
@@ -353,7 +356,7 @@ def markdown(result: dict[str, Any]) -> str:
     one = {p: row["stage1_naive"] for p, row in summary.items() if "stage1_naive" in row and "unique" in p}
     if one:  # what blocking costs: stage 1 alone, one connection and more
         sections["stage1"] = table(
-            ["load", "req/s", "p50 ms", "p99 ms", "CPU ms a request"],
+            ["load", "req/s", "p50 ms, every answer", "p99 ms", "CPU ms a 2xx"],
             [(p, num(m["requests_per_s"]), num(m["p50_ms"]), num(m["p99_ms"]), num(m["cpu_ms"], 2))
              for p, m in one.items()])  # fmt: skip
     if "unique-1" in one and "unique-32" in one:
@@ -372,8 +375,9 @@ def markdown(result: dict[str, Any]) -> str:
     for before, stage in itertools.pairwise(stages):
         a, b, rows = n[before], n[stage], [(p, row[before], row[stage]) for p, row in summary.items()]
         sections[f"stage{b}"] = [*table(
-            ["load", f"stage {a} req/s", f"stage {b} req/s", f"{b} / {a}", f"p50 ms, {a} / {b}",
-             f"p99 ms, {a} / {b}", f"CPU ms a request, {a} / {b}", f"not 2xx a second, {a} / {b}"],
+            ["load", f"stage {a} req/s", f"stage {b} req/s", f"{b} / {a}",
+             f"p50 ms (every answer), {a} / {b}", f"p99 ms, {a} / {b}", f"CPU ms a 2xx, {a} / {b}",
+             f"not 2xx a second, {a} / {b}"],
             [(p, num(x["requests_per_s"]), num(y["requests_per_s"]), num(y["over_previous"], 2, "×"),
               _pair(x, y, "p50_ms"), _pair(x, y, "p99_ms"), _pair(x, y, "cpu_ms", 2),
               _pair(x, y, "non_2xx_per_s", 0)) for p, x, y in rows], "l" + "r" * 7),

@@ -92,7 +92,7 @@ def markdown(result: dict[str, Any]) -> str:
     """screenshots.md: the captions, one section each for the benchmarking and stage 5 chapters."""
     load = (
         f"`{result['user_class']}` from {result['users']} Locust users for {result['seconds']:g} s"
-        f" against `stage5_metrics` ({result['requests']:,} requests, {result['failures']} failed),"
+        f" against `stage5_metrics` ({result['requests']:,} requests by then, {result['failures']} failed),"
         f" Locust and the server on the same machine"
     )
     said = evidence.describe(result["stamp"])
@@ -100,7 +100,10 @@ def markdown(result: dict[str, Any]) -> str:
         result["stamp"],
         {
             "locust": [f"Screenshots of Locust's web UI: {load}. {said}"],
-            "dashboard": [f"The dashboard, in a 1400x1000 window, after {load}. {said}"],
+            "dashboard": [
+                f"The dashboard, in a 1400x1000 window, taken after Locust's pictures with the load still"
+                f" on: {load}. {said}"
+            ],
         },
     )
 

@@ -628,9 +628,11 @@ def markdown(result: dict[str, Any]) -> str:
               num(r["texts_per_s"], 0), r["bad_text"]["failed_callers"], r["bad_text"]["model_calls"],
               num(r["lone_wait_ms"], 2)) for r in ref["rows"]]), "", _twins(ref, default)],
         "last_step": [_last_step(ref)],
-        "prices": table(["CALL_OVERHEAD_TOKENS", "model calls", "padding", "CPU ms a text", "of the default"],
+        "prices": table(["CALL_OVERHEAD_TOKENS", "model calls", "padding", "CPU ms a text", "of the default",
+                         "texts/s"],
                         [(p["price"], p["model_calls"], f"{p['padding_ratio']:.0%}", num(p["cpu_ms"], 2),
-                          f"{p['cpu_ms'] / at_default:.2f}") for p in ref["prices"]]),
+                          f"{p['cpu_ms'] / at_default:.2f}", num(p["texts_per_s"], 0))
+                         for p in ref["prices"]]),
         "price": [f"One more model call costs {call['fixed_ms']:.2f} ms of CPU in stage 3's run, as much as"
                   f" **{call['tokens']:.0f} padded tokens** ({call['k']} rows of {call['length']} tokens as"
                   f" {call['k']} calls against one). {_prices_said(ref['prices'], call['tokens'], default)}"],

@@ -211,7 +211,9 @@ def _reading(d: dict[str, Any]) -> list[str]:
         "",
         f"- Far ({FAR_MS:g} ms) and over TLS, a per-command hit is {than_none(naive['hit_ms'])}.",
         f"- The pooled client makes that hit {pooled}.",
-        f"- A hit costs the loopback hit plus the round trip, and so does the lookup before a miss: "
+        f"- A hit costs the loopback hit plus the round trip (here"
+        f" {far['hit_ms'] - near['hit_ms'] - FAR_MS:.1f} ms more, the relay that makes the distance), and so"
+        " does the lookup before a miss: "
         f"against this model a hit stops paying at a round trip of {none - near['hit_ms']:.1f} ms, the "
         f"{100 * share:.0f}% mix at {none - mix:.1f} ms. At {FAR_MS:g} ms a pooled hit is "
         f"{than_none(far['hit_ms'])}.",
