@@ -19,6 +19,11 @@ def full_length_texts(engine: Engine, n: int) -> list[str]:
     A batching stage may split a request into model calls of similar lengths (stage 3);
     texts of one length stay in one call, so the server's call is the engine's call.
     """
-    texts = [" ".join([p] * 6) for p in fresh_texts(n, "passage")]
+    texts = []
+    for passage in fresh_texts(n, "passage"):  # a passage repeated until it passes the limit
+        text = passage
+        while not engine.tokenize([text])[0].truncated:  # (six times was too few for a short one)
+            text = f"{text} {passage}"
+        texts.append(text)
     assert all(t.truncated and t.n_tokens == engine.max_tokens for t in engine.tokenize(texts))
     return texts
