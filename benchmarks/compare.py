@@ -291,10 +291,8 @@ def targets_sections(result: dict[str, Any]) -> dict[str, list[str]]:
     s2, s3, s3_1, s2_1 = (s["unique-32"]["stage2_threadpool"], s["unique-32"]["stage3_batching"],
                           s["unique-1"]["stage3_batching"], s["unique-1"]["stage2_threadpool"])  # fmt: skip
     cores, ceiling = result["stamp"]["machine"]["logical_cores"], result["ceiling"]["sentence"]["texts_per_s"]
-    engine_ms, bound = (
-        1e3 * cores / ceiling,
-        1e3 * cores / s3["cpu_ms"],
-    )  # bound: the cores at its CPU a request
+    engine_ms = 1e3 * cores / ceiling
+    bound = 1e3 * cores / s3["cpu_ms"]  # requests a second the cores give at stage 3's CPU a request
     reasons = {
         "engine": f"Against the engine alone: stage 3 spent {num(s3['cpu_ms'], 2)} ms of CPU a request at 32"
         f" connections, the engine at its ceiling {engine_ms:.2f} ms of core time a text (the cores over its"

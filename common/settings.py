@@ -159,7 +159,6 @@ class Settings(BaseSettings):
         "(one larger than the bound still goes into an empty queue).",
     )
     overload_status: Literal[503, 429] = Field(503, description="Status code for a full queue.")
-
     shed_delay_ms: float = Field(
         50.0,
         ge=0,

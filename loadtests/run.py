@@ -41,7 +41,7 @@ PROFILES: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "unique-8": ("UniqueTextUser", 8, ()),
     "unique-32": ("UniqueTextUser", 32, ()),
     "unique-128": ("UniqueTextUser", 128, ()),
-    "repeated-32": ("RepeatedTextUser", 32, ("--unique-ratio", "0.333")),  # make compare's: a third new
+    "repeated-32": ("RepeatedTextUser", 32, ()),  # --unique-ratio's default: a third new, as make compare's
     "mixed-32": ("MixedLengthUser", 32, ()),
     "waves-32": ("WaveUser", 32, ("--wave-period", "0.5")),
     "overload-128": ("OverloadUser", 128, ("--overload-texts", "8")),
