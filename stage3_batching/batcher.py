@@ -1,15 +1,11 @@
-"""The textbook dynamic batcher: many requests' texts, one model call.
+"""The textbook dynamic batcher: many requests' texts, one model call (Ray Serve's ``batching.py`` shape).
 
-A request puts its texts in one queue with one future and awaits it. One background task waits
-for a first text, then up to BATCH_WINDOW_MS (from the oldest text's arrival) for a full batch,
-takes the oldest texts that fit MAX_BATCH_SIZE and MAX_BATCH_TOKENS, and runs them in an executor
-thread, BATCH_CONCURRENCY batches side by side. Each caller gets its own rows; if the model
-raises, every caller of that batch gets the error; a caller that is gone (cancelled, past its
-deadline) is dropped before the model. Ray Serve's ``batching.py`` has the same shape.
-
-Five points are small policies, textbook unless ``refined.py`` passes a refinement: how long a
-batch waits (``window``), which texts it takes (``Oldest``), how many batches the slots get and
-how big (``Slots``), how a batch runs as calls (``split``), what a failed call reruns (``retry``).
+A request queues its texts with one future and awaits it. One task waits for a first text, then up
+to BATCH_WINDOW_MS (from the oldest text's arrival) for a full batch, takes the oldest texts that fit
+MAX_BATCH_SIZE and MAX_BATCH_TOKENS and runs them in an executor thread, BATCH_CONCURRENCY batches side
+by side. Each caller gets its rows, or the model's error; a caller gone (cancelled, past its deadline)
+is dropped before the model. Five small policies are the textbook's own unless ``refined.py`` passes a
+refinement: the ``window``, the take (``Oldest``), the ``Slots``, the ``split`` of a batch, the ``retry``.
 """
 
 from __future__ import annotations
@@ -35,8 +31,8 @@ Model = Callable[[list[np.ndarray]], np.ndarray]  # token ids of each text -> on
 
 
 # --8<-- [start:policies]
-# A queue depth -> (its load tier, how long a batch may wait for more texts, from its oldest text's
-# arrival); a batch -> its rows, a list per model call; a failed call's rows -> the parts to rerun.
+# A queue depth -> (its load tier, how long a batch may wait for more texts after its oldest arrived);
+# a batch -> its rows, a list per model call; a failed call's rows -> the parts to rerun.
 Window = Callable[[int], tuple[str, float]]
 Split = Callable[[list[QueuedText]], list[list[int]]]
 Retry = Callable[[list[int]], list[list[int]]]
@@ -58,8 +54,6 @@ class Slots:
 
 
 # --8<-- [end:policies]
-
-
 # --8<-- [start:take]
 class Oldest:
     """Which texts a batch takes: the oldest that fit the limit (MAX_BATCH_SIZE or less) and
@@ -86,8 +80,6 @@ class Oldest:
 
 
 # --8<-- [end:take]
-
-
 # --8<-- [start:state]
 class Batcher:
     def __init__(
@@ -103,9 +95,8 @@ class Batcher:
         retry: Retry | None = None,
     ) -> None:
         self._run, self.settings = run, settings
-        # The five policies, each the textbook's own unless ``refined.py`` passes a refinement:
-        # one window whatever the queue depth, the oldest texts, BATCH_CONCURRENCY slots, one call
-        # a batch, and a failed call's error for each of its rows.
+        # The textbook's policies: one window whatever the queue depth, the oldest texts,
+        # BATCH_CONCURRENCY slots, one call a batch, and a failed call's error for each of its rows.
         self.window = window or (lambda depth: ("", settings.batch_window_ms / 1e3))
         self.order, self.slots = order or Oldest(settings), slots or Slots(settings)
         self.split = split or (lambda batch: [list(range(len(batch)))])
@@ -114,8 +105,7 @@ class Batcher:
         self.stats = BatcherStats()
         self._queue: deque[QueuedText] = deque()  # arrival order
         self._wakeup = asyncio.Event()  # set: the loop has something to decide
-        self._idle = True  # the loop waits for a first text
-        self._closing = False
+        self._idle, self._closing = True, False  # idle: the loop waits for a first text
         self._task: asyncio.Task[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.in_flight = self.in_flight_texts = 0  # batches handed to the model slots, and their texts
@@ -130,19 +120,16 @@ class Batcher:
         """Texts not in a model slot yet: queued, or handed over ahead."""
         return len(self._queue) + sum(self._ahead)
 
-    async def start(self) -> None:
-        # A thread per model slot: BATCH_CONCURRENCY batches side by side, no more.
+    async def start(self) -> None:  # a thread per model slot: BATCH_CONCURRENCY batches side by side
         self._pool = ThreadPoolExecutor(self.slots.count, thread_name_prefix="batcher")
         self._task = asyncio.create_task(self._loop(asyncio.Semaphore(self.slots.count + self.slots.ahead)))
 
     # --8<-- [end:state]
-
     # --8<-- [start:submit_method]
     def enqueue(
         self, tokens: Sequence[TokenizedText], *, deadline: float | None = None
     ) -> asyncio.Future[BatchOutcome]:
-        """Queue the texts with one future, which resolves with all their vectors (in order).
-        Cancelling it (the caller left) skips its texts still queued."""
+        """Queue the texts with one future for all their vectors; cancelling it skips those still queued."""
         if self._closing or self._task is None or self._task.done():
             raise NotReady("the batcher is not running")
         loop = asyncio.get_running_loop()
@@ -168,7 +155,6 @@ class Batcher:
             req.fail(DeadlineExceeded(f"request deadline passed after {waited_ms:.0f} ms in the batch queue"))
 
     # --8<-- [end:submit_method]
-
     # --8<-- [start:loop]
     async def _loop(self, slots: asyncio.Semaphore) -> None:
         running: set[asyncio.Task[None]] = set()
@@ -184,8 +170,13 @@ class Batcher:
                     raise RuntimeError(f"the take took none of the {before} texts queued")  # the loop
             except Exception as exc:  # a bug, not the model: every caller queued gets the error,
                 log.exception("the batcher could not form a batch")
-                for text in self._drain():  # and the emptied queue makes the loop wait for new
-                    text.req.fail(exc)  # texts, rather than spin on the bug
+                for text in self._drain():
+                    text.req.fail(exc)
+                if self._closing:
+                    break
+                self._idle = True  # and the loop waits for new texts, rather than spin on the bug
+                self._wakeup.clear()
+                await self._wakeup.wait()
                 tier, batch = "", []
             if not batch:  # every caller in it was gone
                 slots.release()
@@ -201,7 +192,6 @@ class Batcher:
         await asyncio.gather(*running)  # closing: let the running batches finish
 
     # --8<-- [end:loop]
-
     # --8<-- [start:wait]
     async def _wait_for_batch(self) -> str | None:
         """Wait for a first text, then up to the window for a full batch; return the batch's tier.
@@ -283,7 +273,6 @@ class Batcher:
                 log.exception("on_batch observer failed")
 
     # --8<-- [end:fanout]
-
     # --8<-- [start:model]
     # --- the model thread (an executor thread, never the event loop) --------------------------
     def _compute(self, batch: list[QueuedText]) -> Computed:
@@ -313,7 +302,6 @@ class Batcher:
                 self._run_rows(ids, part, done)
 
     # --8<-- [end:model]
-
     # --8<-- [start:close]
     async def close(self) -> None:
         """Finish everything already queued, then stop."""

@@ -597,6 +597,31 @@ async def test_an_observer_that_raises_does_not_stop_the_batcher(model: FakeMode
     await batcher.close()
 
 
+async def test_a_bug_forming_batches_fails_the_callers_and_the_loop_waits(model: FakeModel) -> None:
+    """A batch the loop cannot form (a bug in the wait, here at every try): each caller queued
+    gets the error, then the loop waits for new texts; it never spins on the bug, which would
+    hold the event loop, and ``close`` still returns."""
+
+    class Buggy(Batcher):
+        tries = 0
+
+        async def _wait_for_batch(self) -> str | None:
+            self.tries += 1
+            if self._closing:
+                return None
+            raise RuntimeError("wait bug")
+
+    batcher = Buggy(model, make_settings())
+    await batcher.start()
+    await asyncio.sleep(0.05)  # a loop that spun would never give this back
+    assert batcher.tries == 1
+    task = submit(batcher, 1)
+    await asyncio.wait([task], timeout=SHORT)
+    assert isinstance(task.exception(), RuntimeError) and batcher.tries == 2
+    await asyncio.wait_for(batcher.close(), SHORT)
+    assert not model.calls
+
+
 # --- cancellation, deadlines, shutdown ----------------------------------------------
 async def test_a_cancelled_request_is_not_computed(batcher: Batcher, model: FakeModel) -> None:
     first = await hold_model(batcher, model)

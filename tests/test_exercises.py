@@ -68,6 +68,7 @@ def test_the_starting_file_fails_its_stage_tests(stage: int) -> None:
     out = result.stdout + result.stderr
     assert result.returncode != 0, out[-3000:]
     assert " failed" in out and EXERCISES[stage] in out, out[-3000:]  # failed on the TODO, not on setup
+    assert "Timeout" not in out, out[-3000:]  # at once: a learner's first run does not hang
 
 
 @pytest.mark.parametrize("stage", sorted(EXERCISES))
