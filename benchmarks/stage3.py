@@ -74,9 +74,10 @@ SERVERS = {
 }
 TIERS = ("low", "medium", "high")
 MEDIANS = ("requests_per_s", "p50_ms", "p99_ms", "average_batch_size", "load_generator_cpu")  # a point's
-REFINEMENTS = ("tiers", "grouping", "buckets", "isolation", "busy_slots")  # the chapter's order
-NAMES = dict(zip(REFINEMENTS, ("load tiers", "length grouping", "length buckets", "failure isolation",
-                               "busy slots"), strict=True))  # fmt: skip
+REFINEMENTS = ("tiers", "grouping", "buckets", "isolation")  # the chapter's order
+NAMES = dict(
+    zip(REFINEMENTS, ("load tiers", "length grouping", "length buckets", "failure isolation"), strict=True)
+)
 PRICES = (4, 8, 16, 32, 64)  # CALL_OVERHEAD_TOKENS tried
 BAD_ID = 10**9  # a token id no tokenizer makes: the stand-in model raises on it
 LONE_WINDOW_MS = 5.0  # the window the "lone wait" column runs under
@@ -400,17 +401,6 @@ def _twins(ref: dict[str, Any], default: int) -> str:
     )
 
 
-def _last_step(ref: dict[str, Any]) -> str:
-    """The last refinement against the row before it, in texts per CPU-second, round by round."""
-    before, last = ref["rows"][-2:]
-    rounds = [b / a for a, b in zip(last["rounds_cpu_ms"], before["rounds_cpu_ms"], strict=True)]
-    ratio = before["cpu_ms"] / last["cpu_ms"]
-    step, prev = (row["batcher"].split("+ ")[-1] for row in (last, before))
-    return (f"The burst's last step, {step}, against the row before ({prev}), texts per CPU-second:"
-            f" {ratio:.2f}x"
-            f" (rounds {min(rounds):.2f}–{max(rounds):.2f}x): {rounds_word(rounds)}.")  # fmt: skip
-
-
 def _windows(result: dict[str, Any]) -> list[str]:
     rows = []
     for n in (8, 32, 128):
@@ -627,7 +617,6 @@ def markdown(result: dict[str, Any]) -> str:
             [(r["batcher"], r["model_calls"], f"{r['padding_ratio']:.0%}", num(r["cpu_ms"], 2),
               num(r["texts_per_s"], 0), r["bad_text"]["failed_callers"], r["bad_text"]["model_calls"],
               num(r["lone_wait_ms"], 2)) for r in ref["rows"]]), "", _twins(ref, default)],
-        "last_step": [_last_step(ref)],
         "prices": table(["CALL_OVERHEAD_TOKENS", "model calls", "padding", "CPU ms a text", "of the default",
                          "texts/s"],
                         [(p["price"], p["model_calls"], f"{p['padding_ratio']:.0%}", num(p["cpu_ms"], 2),

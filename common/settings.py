@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     batcher: Literal["refined", "textbook"] = Field(
         "refined",
         description="`textbook`: the batcher of `stage3_batching/batcher.py` alone (one window, "
-        "arrival order, one call a batch); `refined`: with the chapter's five refinements.",
+        "arrival order, one call a batch); `refined`: with the chapter's four refinements.",
     )
     max_batch_size: int = Field(32, ge=1, description="Most texts in one model call.")
     batch_concurrency: int = Field(

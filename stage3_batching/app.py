@@ -2,8 +2,8 @@
 
 The backend (``backend.py``) hands every request's texts to one batcher, which runs them in
 batches (BATCH_CONCURRENCY side by side, in threads of its own) and answers every caller.
-``batcher.py`` is the textbook batcher; the server runs it with the chapter's five refinements
-(``refined.py``: load tiers, length grouping and length buckets, failure isolation, busy slots).
+``batcher.py`` is the textbook batcher; the server runs it with the chapter's four refinements
+(``refined.py``: load tiers, length grouping, length buckets, failure isolation).
 
 New routes (``routes.py``): ``GET /v1/batcher/config`` and ``GET /v1/batcher/metrics``. New
 headers: ``x-queue-time`` (ms waiting for a batch) and ``x-batch-size`` (sizes of the caller's

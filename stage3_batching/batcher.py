@@ -4,8 +4,8 @@ A request queues its texts with one future and awaits it. One task waits for a f
 to BATCH_WINDOW_MS (from the oldest text's arrival) for a full batch, takes the oldest texts that fit
 MAX_BATCH_SIZE and MAX_BATCH_TOKENS and runs them in an executor thread, BATCH_CONCURRENCY batches side
 by side. Each caller gets its rows, or the model's error; a caller gone (cancelled, past its deadline)
-is dropped before the model. Five small policies are the textbook's own unless ``refined.py`` passes a
-refinement: the ``window``, the take (``Oldest``), the ``Slots``, the ``split`` of a batch, the ``retry``.
+is dropped before the model. Four small policies are the textbook's own unless ``refined.py`` passes a
+refinement: the ``window``, the take (``Oldest``), the ``split`` of a batch, the ``retry`` of a failed call.
 """
 
 from __future__ import annotations
@@ -39,30 +39,16 @@ Retry = Callable[[list[int]], list[list[int]]]
 Gone = Callable[[QueuedText], bool]  # whether a queued text's caller has gone (``Batcher._gone``)
 
 
-class Slots:
-    """BATCH_CONCURRENCY batches in the model slots at once, each up to MAX_BATCH_SIZE texts
-    (``refined.BusySlots`` hands one more over, and shares the work out)."""
-
-    ahead = 0  # batches handed over beyond the slots, waiting for one
-
-    def __init__(self, settings: Settings) -> None:
-        self.count, self.max_size = settings.batch_concurrency, settings.max_batch_size
-
-    def limit(self, work: int, window_s: float) -> int:
-        """Most texts the next batch may take, with ``work`` texts queued and in the model."""
-        return self.max_size
-
-
 # --8<-- [end:policies]
 # --8<-- [start:take]
 class Oldest:
-    """Which texts a batch takes: the oldest that fit the limit (MAX_BATCH_SIZE or less) and
-    MAX_BATCH_TOKENS (``lengths.GroupByLength`` sorts rounds by length)."""
+    """Which texts a batch takes: the oldest that fit MAX_BATCH_SIZE and MAX_BATCH_TOKENS
+    (``lengths.GroupByLength`` sorts rounds by length)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
 
-    def take(self, queue: deque[QueuedText], gone: Gone, limit: int) -> list[QueuedText]:
+    def take(self, queue: deque[QueuedText], gone: Gone) -> list[QueuedText]:
         batch: list[QueuedText] = []
         longest = 0
         while queue:
@@ -70,8 +56,6 @@ class Oldest:
             if gone(text):
                 queue.popleft()
                 continue
-            if len(batch) >= limit and text.req is not batch[-1].req:
-                break  # (a request's texts stay in one batch while they fit it)
             if batch and not fits(len(batch) + 1, max(longest, text.n_tokens), self.settings):
                 break  # (a text over the token budget still runs: alone)
             batch.append(queue.popleft())
@@ -90,15 +74,14 @@ class Batcher:
         on_batch: Callable[[BatchRecord], None] | None = None,
         window: Window | None = None,
         order: Oldest | None = None,
-        slots: Slots | None = None,
         split: Split | None = None,
         retry: Retry | None = None,
     ) -> None:
         self._run, self.settings = run, settings
-        # The textbook's policies: one window whatever the queue depth, the oldest texts,
-        # BATCH_CONCURRENCY slots, one call a batch, and a failed call's error for each of its rows.
+        # The textbook's policies: one window whatever the queue depth, the oldest texts, one
+        # call a batch, and a failed call's error for each of its rows.
         self.window = window or (lambda depth: ("", settings.batch_window_ms / 1e3))
-        self.order, self.slots = order or Oldest(settings), slots or Slots(settings)
+        self.order = order or Oldest(settings)
         self.split = split or (lambda batch: [list(range(len(batch)))])
         self.retry = retry or (lambda rows: [])
         self._observers = [] if on_batch is None else [on_batch]  # told of every batch (``watch``)
@@ -108,8 +91,7 @@ class Batcher:
         self._idle, self._closing = True, False  # idle: the loop waits for a first text
         self._task: asyncio.Task[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self.in_flight = self.in_flight_texts = 0  # batches handed to the model slots, and their texts
-        self._ahead: deque[int] = deque()  # texts of each batch handed over while every slot was busy
+        self.in_flight = 0  # batches in the model slots
 
     def watch(self, observer: Callable[[BatchRecord], None]) -> None:
         """Tell ``observer`` of every batch once it has run (stage 4's admission, stage 5's metrics)."""
@@ -117,12 +99,13 @@ class Batcher:
 
     @property
     def queue_depth(self) -> int:
-        """Texts not in a model slot yet: queued, or handed over ahead."""
-        return len(self._queue) + sum(self._ahead)
+        """Texts not in a model slot yet."""
+        return len(self._queue)
 
     async def start(self) -> None:  # a thread per model slot: BATCH_CONCURRENCY batches side by side
-        self._pool = ThreadPoolExecutor(self.slots.count, thread_name_prefix="batcher")
-        self._task = asyncio.create_task(self._loop(asyncio.Semaphore(self.slots.count + self.slots.ahead)))
+        slots = self.settings.batch_concurrency
+        self._pool = ThreadPoolExecutor(slots, thread_name_prefix="batcher")
+        self._task = asyncio.create_task(self._loop(asyncio.Semaphore(slots)))
 
     # --8<-- [end:state]
     # --8<-- [start:submit_method]
@@ -165,7 +148,7 @@ class Batcher:
                 if tier is None:  # closing, and nothing is left
                     break
                 before = self.queue_depth
-                batch = self._take()
+                batch = self.order.take(self._queue, self._gone)
                 if not batch and self.queue_depth == before:  # a take that took no text would spin
                     raise RuntimeError(f"the take took none of the {before} texts queued")  # the loop
             except Exception as exc:  # a bug, not the model: every caller queued gets the error,
@@ -183,9 +166,7 @@ class Batcher:
                 continue
             for text in batch:
                 text.req.taken += 1  # in a batch now: a deadline no longer stops it
-            self.in_flight, self.in_flight_texts = self.in_flight + 1, self.in_flight_texts + len(batch)
-            if self.in_flight > self.slots.count:  # every slot busy: it waits for one, ready
-                self._ahead.append(len(batch))
+            self.in_flight += 1
             task = asyncio.create_task(self._run_in_slot(batch, tier, slots))
             running.add(task)
             task.add_done_callback(running.discard)
@@ -219,12 +200,6 @@ class Batcher:
 
     # --8<-- [end:wait]
 
-    def _take(self) -> list[QueuedText]:
-        """The next batch, as the order takes it, within the slots' limit."""
-        _tier, window_s = self.window(self.queue_depth)
-        limit = self.slots.limit(len(self._queue) + self.in_flight_texts, window_s)
-        return self.order.take(self._queue, self._gone, limit)
-
     def _gone(self, text: QueuedText) -> bool:
         """Whether the text's caller has gone (cancelled, past its deadline, failed): the one check
         every path that takes texts from the queue makes. A gone caller's texts are counted, dropped."""
@@ -245,16 +220,14 @@ class Batcher:
             for text in batch:
                 text.req.fail(exc)
         finally:
-            self.in_flight, self.in_flight_texts = self.in_flight - 1, self.in_flight_texts - len(batch)
-            if self._ahead:  # the slot this one frees takes the batch waiting for it at once
-                self._ahead.popleft()
+            self.in_flight -= 1
             slots.release()
 
     async def _run_batch(self, batch: list[QueuedText], tier: str) -> None:
         """Run the batch in a model slot's thread, hand each caller its rows, report the batch."""
         # NEW: the model runs in an executor thread; the event loop keeps serving
         done = await asyncio.get_running_loop().run_in_executor(self._pool, self._compute, batch)
-        record = BatchRecord(  # a text's wait lasts until its slot starts (a batch ahead waits at the pool)
+        record = BatchRecord(  # a text's wait lasts until its slot starts the batch
             len(batch), done.padded_tokens, sum(t.n_tokens for t in batch), tier,
             queue_ms=[(done.started - t.req.enqueued) * 1e3 for t in batch], inference_ms=done.model_s * 1e3,
             error=next((type(e).__name__ for e in done.errors.values()), None),

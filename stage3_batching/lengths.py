@@ -37,9 +37,7 @@ class GroupByLength(Oldest):
         super().__init__(settings)
         self.cut: deque[int] = deque()  # the sizes of the round's batches still at the queue's front
 
-    def take(
-        self, queue: deque[QueuedText], gone: Callable[[QueuedText], bool], limit: int
-    ) -> list[QueuedText]:
+    def take(self, queue: deque[QueuedText], gone: Callable[[QueuedText], bool]) -> list[QueuedText]:
         """The next batch of the round; when all that is queued fits one batch, the oldest texts."""
         s = self.settings
         if not self.cut:
@@ -47,7 +45,7 @@ class GroupByLength(Oldest):
             window = [text for text in window if not gone(text)]
             if fifo_count(window, s) == len(window):  # it all fits one batch: nothing to sort
                 queue.extendleft(reversed(window))
-                return super().take(queue, gone, limit)
+                return super().take(queue, gone)
             # NEW: sort a bounded window by length and cut it into batches.
             batches = sorted_round(window, s)
             queue.extendleft(reversed([text for batch in batches for text in batch]))

@@ -1,4 +1,4 @@
-"""The batcher the server runs: the textbook ``Batcher`` with the chapter's five refinements.
+"""The batcher the server runs: the textbook ``Batcher`` with the chapter's four refinements.
 
 Each refinement is one small policy with its setting, passed to the batcher in place of the
 textbook's own (``batcher.py``); ``refined`` builds the batcher with all of them, as the server
@@ -10,19 +10,17 @@ textbook's way.
 2. length grouping (``lengths.GroupByLength``, the order of the take): GROUP_BY_LENGTH, GROUP_WINDOW
 3. length buckets (``lengths.LengthBuckets``, the split of a batch): SPLIT_BY_LENGTH, CALL_OVERHEAD_TOKENS
 4. failure isolation (``halves``, the retry of a failed call): always on
-5. busy slots (``BusySlots``, the slots): always on
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable
 
 from common.batch_stats import BatchRecord
 from common.settings import Settings
-from stage3_batching.batcher import Batcher, Model, Slots
+from stage3_batching.batcher import Batcher, Model
 from stage3_batching.lengths import GroupByLength, LengthBuckets
 
 
@@ -80,28 +78,6 @@ class RateTiers(LoadTiers):
 # --8<-- [end:rate]
 
 
-# --8<-- [start:slots]
-class BusySlots(Slots):
-    """Refinement 5: every model slot gets a fair share, and the next batch is ready in time.
-
-    With two slots, the textbook's first slot to free takes the whole queue and the other runs
-    dry: here a batch takes at most its share of the work in the server (queued, and in the
-    model) over the slots, unless it waited a window to fill up. And a freed slot waits for the
-    event loop to form its next batch: here one batch more than there are slots is handed over,
-    so it waits at the pool and a freed slot starts it at once. Its texts still count as queued.
-    """
-
-    ahead = 1  # NEW: the next batch waits at the pool, ready
-
-    def limit(self, work: int, window_s: float) -> int:
-        if window_s > 0:  # a batch that waited a window to fill up takes what it waited for
-            return self.max_size
-        return max(1, min(self.max_size, math.ceil(work / self.count)))  # NEW: its share of the work
-
-
-# --8<-- [end:slots]
-
-
 # --8<-- [start:isolation]
 def halves(rows: list[int]) -> list[list[int]]:
     """Refinement 4, failure isolation: a text that makes the model raise fails only its own
@@ -125,7 +101,6 @@ def refined(
     grouping: bool = True,
     buckets: bool = True,
     isolation: bool = True,
-    busy_slots: bool = True,
 ) -> Batcher:
     """The textbook batcher with the refinements (all of them, as the server runs it); each one
     left out, or switched off by its setting, is the textbook's way."""
@@ -139,7 +114,6 @@ def refined(
         order=GroupByLength(s) if grouping and s.group_by_length else None,  # 2. GROUP_BY_LENGTH
         split=LengthBuckets(s.call_overhead_tokens).calls if buckets and s.split_by_length else None,  # 3.
         retry=halves if isolation else None,  # 4. always on
-        slots=BusySlots(s) if busy_slots else None,  # 5. always on
     )
     if rate is not None:
         batcher.watch(rate.observe)  # the rate rule counts the batches that ran

@@ -40,12 +40,9 @@ _HEADER = struct.Struct("<I?3x")
 # --8<-- [start:key]
 def cache_key(model_id: str, model_sha256: str, normalize: bool, text: str) -> str:
     """The cache key of one text: a different model, file or normalize flag is a different key."""
-    digest = hashlib.sha256()
-    for part in (model_id, model_sha256, "normalized" if normalize else "raw"):
-        digest.update(part.encode())
-        digest.update(b"\x00")
-    digest.update(text.encode("utf-8", "surrogatepass"))  # the exact text: no strip, no lower
-    return KEY_PREFIX + digest.hexdigest()
+    pinned = f"{model_id}\x00{model_sha256}\x00{'normalized' if normalize else 'raw'}\x00"
+    exact = (pinned + text).encode("utf-8", "surrogatepass")  # the exact text: no strip, no lower
+    return KEY_PREFIX + hashlib.sha256(exact).hexdigest()
 
 
 # --8<-- [end:key]

@@ -28,7 +28,6 @@ from common.batch_stats import BatchRecord
 from common.engine import Engine, TokenizedText, l2_normalize
 from common.limits import DeadlineExceeded
 from common.settings import Settings
-from stage3_batching.batcher import Slots
 from stage3_batching.lengths import length_buckets
 from stage3_batching.pending import BatchOutcome
 from stage3_batching.refined import RateTiers, halves, refined
@@ -336,10 +335,7 @@ async def test_two_slots_run_two_batches_side_by_side_and_the_queue_fills_meanwh
     assert batcher.in_flight == 2
     later = [submit(batcher, m) for m in (3, 4, 5)]
     await asyncio.sleep(0.01)
-    if kind is refined:  # busy slots: the next batch is handed over now, ready for a free slot
-        assert batcher.queue_depth == 3 and batcher.in_flight == 3  # (still queued until a slot takes it)
-    else:  # both slots busy: they wait in the queue, together
-        assert batcher.queue_depth == 3 and batcher.in_flight == 2
+    assert batcher.queue_depth == 3 and batcher.in_flight == 2  # both slots busy: they wait, together
     model.gate.set()
     await done(first, second, *later)
     assert model.calls[:2] == [[1], [2]]
@@ -362,29 +358,6 @@ async def test_a_request_larger_than_a_batch_is_answered_whole_and_in_order(
     assert big.result().batch_sizes == [8, 8, 4]
     assert markers(small.result()) == [5] and small.result().batch_sizes == [4]
     assert big.result().vectors.shape == (19, 4)
-
-
-async def test_a_limit_on_a_textbook_batch_cuts_between_requests_never_inside_one(
-    model: FakeModel, records: list[BatchRecord]
-) -> None:
-    """The slots' limit (the busy slots' share is one): at most ``limit`` texts, but the texts of
-    the request the last one belongs to stay with it while they fit MAX_BATCH_SIZE."""
-
-    class AtMostTwo(Slots):
-        def limit(self, work: int, window_s: float) -> int:
-            return 2
-
-    def AtMostTwo_batcher(run: Any, settings: Settings, **kw: Any) -> Batcher:
-        return Batcher(run, settings, slots=AtMostTwo(settings), **kw)
-
-    batcher = await started(model, records, AtMostTwo_batcher)
-    first = await hold_model(batcher, model)
-    tasks = [submit(batcher, 1), submit(batcher, 2, 3, 4), submit(batcher, 5)]
-    await asyncio.sleep(0)
-    model.gate.set()
-    await done(first, *tasks)
-    assert model.calls[1:] == [[1, 2, 3, 4], [5]]
-    await batcher.close()
 
 
 @KINDS
@@ -641,7 +614,7 @@ async def test_a_deadline_that_passes_in_the_queue_is_504_and_not_computed(
 ) -> None:
     loop = asyncio.get_running_loop()
     first = await hold_model(batcher, model)
-    ready = submit(batcher, 1)  # with BusySlots this one is the batch ready for the slot: not queued
+    ready = submit(batcher, 1)
     await asyncio.sleep(0.01)
     late = submit(batcher, 77, deadline=loop.time() + 0.01)  # asyncio's clock is time.monotonic()
     await asyncio.wait([late], timeout=SHORT)  # answered while the model is still busy
@@ -736,7 +709,7 @@ async def test_no_future_is_left_pending_under_random_load(
 
 
 # --- each refinement on its own, against the textbook batcher ---------------------------
-PIECES = ("tiers", "grouping", "buckets", "isolation", "busy_slots")  # refined's switches
+PIECES = ("tiers", "grouping", "buckets", "isolation")  # refined's switches
 
 
 def only(piece: str) -> Kind:
@@ -744,7 +717,7 @@ def only(piece: str) -> Kind:
     return functools.partial(refined, **{p: p == piece for p in PIECES})
 
 
-Tiered, Grouped, Bucketed, Isolated, Busy = (only(p) for p in PIECES)
+Tiered, Grouped, Bucketed, Isolated = (only(p) for p in PIECES)
 
 
 @pytest.mark.parametrize(
@@ -793,41 +766,6 @@ async def test_the_refined_batcher_under_the_rate_rule_counts_the_batches_it_ran
     await done(submit(batcher, 2))  # the first ran: 1 text a second, under BATCH_RATE_LOW
     await done(submit(batcher, 3))  # two ran: 2 texts a second, MEDIUM, with nothing else queued
     assert [r.tier for r in records] == ["low", "low", "medium"]
-    await batcher.close()
-
-
-@pytest.mark.parametrize(("kind", "first_calls"), [(Batcher, [8]), (Busy, [4, 4])], ids=["textbook", "busy"])
-async def test_busy_slots_share_a_burst_among_the_slots(
-    model: FakeModel, records: list[BatchRecord], kind: Kind, first_calls: list[int]
-) -> None:
-    """Two free slots, eight texts at once: the textbook's first slot takes them all and the other
-    runs dry; BusySlots gives each slot its share."""
-    batcher = await started(model, records, kind, batch_concurrency=2, batch_low_threshold=1)
-    model.gate.clear()
-    tasks = [submit(batcher, m) for m in range(1, 9)]  # eight requests of one text
-    await model.wait_entered()
-    await asyncio.sleep(BLOCKED)  # a second call, if any, has entered by now
-    assert model.sizes() == first_calls
-    model.gate.set()
-    await done(*tasks)
-    assert [markers(t.result()) for t in tasks] == [[m] for m in range(1, 9)]
-    await batcher.close()
-
-
-@pytest.mark.parametrize(("kind", "ready"), [(Batcher, False), (Busy, True)], ids=["textbook", "busy"])
-async def test_busy_slots_keep_the_next_batch_ready_for_the_slot(
-    model: FakeModel, records: list[BatchRecord], kind: Kind, ready: bool
-) -> None:
-    """One slot, busy: the textbook keeps new texts in the queue until the event loop sees the slot
-    free; BusySlots hands the next batch over now, so the slot starts it without the loop."""
-    batcher = await started(model, records, kind)
-    first = await hold_model(batcher, model)
-    later = submit(batcher, 2, 3, 4)
-    await asyncio.sleep(0.01)
-    assert (batcher.in_flight, batcher.queue_depth) == ((2 if ready else 1), 3)  # queued either way
-    model.gate.set()
-    await done(first, later)
-    assert model.calls == [[0], [2, 3, 4]]
     await batcher.close()
 
 

@@ -284,10 +284,9 @@ async def test_duplicates_inside_one_request_are_computed_once(make: Any, engine
 
 
 async def _occupy(backend: CacheBackend, engine: Engine) -> list[asyncio.Future[Any]]:
-    """With the gate closed: the model slot busy, and the batch the batcher keeps ready for it
-    taken too (stage 3's BusySlots), so the texts of the next request wait in the queue."""
+    """With the gate closed: every model slot busy, so the texts of the next request wait in the queue."""
     blockers: list[asyncio.Future[Any]] = []
-    while backend.batcher.in_flight < backend.batcher.slots.count + backend.batcher.slots.ahead:
+    while backend.batcher.in_flight < backend.settings.batch_concurrency:
         blockers.append(asyncio.ensure_future(backend.embed(_job(engine, [_new("blocker")]))))
         n = len(blockers)
         await _until(lambda n=n: backend.batcher.in_flight >= n)
@@ -317,9 +316,10 @@ async def test_full_queue_answers_at_once_with_retry_after(make: Any, engine: En
     backend, gated = await make(max_queue=4, overload_status=status)
     gated.gate.clear()
     running = await _occupy(backend, engine)
-    waiting = backend.batcher.queue_depth  # the blocker handed over ahead: queued until a slot frees
-    assert waiting == 1
-    queued = asyncio.ensure_future(backend.embed(_job(engine, [_new("q1"), _new("q2"), _new("q3")])))
+    assert backend.batcher.queue_depth == 0  # every slot busy, nothing queued yet
+    queued = asyncio.ensure_future(
+        backend.embed(_job(engine, [_new("q1"), _new("q2"), _new("q3"), _new("q4")]))
+    )
     await _until(lambda: backend.batcher.queue_depth == 4)
     started = time.perf_counter()
     with pytest.raises(APIError) as err:
@@ -330,7 +330,7 @@ async def test_full_queue_answers_at_once_with_retry_after(make: Any, engine: En
     assert backend.stats.rejected == 1
     gated.gate.set()
     await asyncio.gather(*running, queued)
-    assert sum(gated.calls) == len(running) + 3  # the refused text never reached the model
+    assert sum(gated.calls) == len(running) + 4  # the refused text never reached the model
 
 
 def test_retry_after_counts_every_model_slot_draining_the_queue() -> None:
@@ -355,8 +355,8 @@ async def test_a_request_is_refused_only_when_its_texts_would_overflow_the_queue
     backend, gated = await make(max_queue=4)
     gated.gate.clear()
     running = await _occupy(backend, engine)
-    assert backend.batcher.queue_depth == 1  # the blocker handed over ahead
-    queued = [asyncio.ensure_future(backend.embed(_job(engine, [_new("q1"), _new("q2")])))]
+    assert backend.batcher.queue_depth == 0  # every slot busy, nothing queued yet
+    queued = [asyncio.ensure_future(backend.embed(_job(engine, [_new("q1"), _new("q2"), _new("q3")])))]
     await _until(lambda: backend.batcher.queue_depth == 3)
     with pytest.raises(APIError) as err:
         await backend.embed(_job(engine, [_new("one"), _new("two")]))

@@ -15,8 +15,8 @@ call, its errors kept by row).
 Everything else is given, inherited from the stage's own classes in ``stage3_batching/batcher.py``,
 so it is the code the server runs: read ``stage3_batching/pending.py`` first (``PendingRequest``,
 ``QueuedText``, ``Computed``, ``fits``), then in ``batcher.py`` the ``Batcher``'s ``__init__`` (the
-fields you use), ``_loop`` (which calls your methods), ``_take`` (which calls your ``take``),
-``_gone``, ``_expire`` and ``_compute``. Do not read the bodies of the five methods there: they
+fields you use), ``_loop`` (which calls your methods and your ``take``), ``_gone``, ``_expire``
+and ``_compute``. Do not read the bodies of the five methods there: they
 are the solution.
 
 The tests build your ``Batcher`` with your ``Oldest`` as its take.
@@ -60,15 +60,13 @@ from stage3_batching.pending import BatchOutcome, BatchRecord, Computed, Pending
 
 
 class Oldest(stage.Oldest):
-    def take(self, queue: deque[QueuedText], gone: Gone, limit: int) -> list[QueuedText]:
-        """The next batch: the oldest texts that fit ``limit`` (MAX_BATCH_SIZE or less) and MAX_BATCH_TOKENS.
+    def take(self, queue: deque[QueuedText], gone: Gone) -> list[QueuedText]:
+        """The next batch: the oldest texts that fit MAX_BATCH_SIZE and MAX_BATCH_TOKENS.
 
-        TODO: take texts from the front of ``queue`` while the batch has fewer than ``limit``. A
-        text whose caller is gone (``gone(text)``) is removed and skipped. Stop before a text that
-        would make the batch not ``fits`` (every row is padded to the longest one), but the first
-        text always goes, even alone over MAX_BATCH_TOKENS: otherwise it could never run. A
-        request's texts stay together while they fit: past ``limit``, still take the texts of the
-        request the last one belongs to.
+        TODO: take texts from the front of ``queue``. A text whose caller is gone (``gone(text)``)
+        is removed and skipped. Stop before a text that would make the batch not ``fits`` (every
+        row is padded to the longest one), but the first text always goes, even alone over
+        MAX_BATCH_TOKENS: otherwise it could never run.
         """
         raise NotImplementedError(
             "TODO (exercises/stage3_batching/batcher.py): Oldest.take, the oldest texts that fit"
