@@ -18,13 +18,12 @@ CPU the model computes a padded token at the cost of a real one.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from itertools import pairwise
 
 import numpy as np
 
 from common.settings import Settings
-from stage3_batching.batcher import Oldest
+from stage3_batching.batcher import Gone, Oldest
 from stage3_batching.pending import QueuedText, fits
 
 
@@ -37,7 +36,7 @@ class GroupByLength(Oldest):
         super().__init__(settings)
         self.cut: deque[int] = deque()  # the sizes of the round's batches still at the queue's front
 
-    def take(self, queue: deque[QueuedText], gone: Callable[[QueuedText], bool]) -> list[QueuedText]:
+    def take(self, queue: deque[QueuedText], gone: Gone) -> list[QueuedText]:
         """The next batch of the round; when all that is queued fits one batch, the oldest texts."""
         s = self.settings
         if not self.cut:
